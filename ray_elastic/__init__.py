@@ -1,0 +1,44 @@
+"""ray_elastic: keep multi-slice JAX training alive through hardware
+failures, with the Ray driver as the single controller."""
+
+from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
+from ray_elastic.controller import ElasticTrainer
+from ray_elastic.errors import (
+    ConfigError,
+    ElasticError,
+    FailureKind,
+    NodeDied,
+    ReplacementTimeout,
+    RetryBudgetExhausted,
+    RunFailed,
+    SliceFailure,
+    SlicePreempted,
+    WorkerHung,
+    WorkerProcessDied,
+)
+from ray_elastic.faults import Fault
+from ray_elastic.program import TrainProgram
+from ray_elastic.report import FailureRecord, RunReport
+
+__all__ = [
+    "CpuSlice",
+    "GpuSlice",
+    "TpuSlice",
+    "ElasticConfig",
+    "ElasticTrainer",
+    "TrainProgram",
+    "Fault",
+    "RunReport",
+    "FailureRecord",
+    "ElasticError",
+    "ConfigError",
+    "FailureKind",
+    "SliceFailure",
+    "WorkerProcessDied",
+    "NodeDied",
+    "WorkerHung",
+    "SlicePreempted",
+    "RunFailed",
+    "RetryBudgetExhausted",
+    "ReplacementTimeout",
+]

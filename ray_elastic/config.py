@@ -1,0 +1,229 @@
+"""Frozen, validated settings. Every check runs when the object is built, so a
+bad setting fails before any cluster resource is reserved, and each error
+names the setting to change. docs/configuration.md lists every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional, Union
+
+from ray_elastic.errors import ConfigError
+
+__all__ = ["CpuSlice", "GpuSlice", "TpuSlice", "ElasticConfig", "SliceSpec"]
+
+POLICIES = ("pause", "resize")
+BATCH_MODES = ("accumulate", "shrink")
+
+
+def _positive_int(setting: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(setting, f"must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuSlice:
+    """A slice of CPU hosts: used by the tests, the demo, and CPU clusters."""
+
+    hosts: int = 1
+    cpus_per_host: int = 1
+    devices_per_host: int = 1  # XLA host-platform devices per process
+
+    def __post_init__(self):
+        _positive_int("slice.hosts", self.hosts)
+        _positive_int("slice.cpus_per_host", self.cpus_per_host)
+        _positive_int("slice.devices_per_host", self.devices_per_host)
+
+    def bundles(self) -> list[dict[str, float]]:
+        return [{"CPU": float(self.cpus_per_host)} for _ in range(self.hosts)]
+
+    def worker_env(self) -> dict[str, str]:
+        return {
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={self.devices_per_host}",
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSlice:
+    """A slice of GPU hosts; each worker sees its host's GPUs."""
+
+    hosts: int = 1
+    gpus_per_host: int = 1
+    cpus_per_host: int = 1
+
+    def __post_init__(self):
+        _positive_int("slice.hosts", self.hosts)
+        _positive_int("slice.gpus_per_host", self.gpus_per_host)
+        _positive_int("slice.cpus_per_host", self.cpus_per_host)
+
+    def bundles(self) -> list[dict[str, float]]:
+        one = {"CPU": float(self.cpus_per_host), "GPU": float(self.gpus_per_host)}
+        return [dict(one) for _ in range(self.hosts)]
+
+    def worker_env(self) -> dict[str, str]:
+        return {"JAX_PLATFORMS": "cuda"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """A TPU slice, reserved with `ray.util.tpu.SlicePlacementGroup`.
+
+    Hosts and chips per host come from Ray's own TPU topology tables, never
+    re-derived here.
+    """
+
+    topology: str = "2x2"
+    accelerator_version: str = "v6e"
+    chips_per_vm: Optional[int] = None
+
+    def __post_init__(self):
+        from ray.util import tpu
+
+        from ray._private.accelerators import TPUAcceleratorManager
+
+        try:
+            version = tpu.get_tpu_version_from_type(self.accelerator_version.strip())
+        except Exception as exc:  # ray raises ValueError for unknown types
+            raise ConfigError("slice.accelerator_version", str(exc)) from None
+        if not TPUAcceleratorManager.is_valid_tpu_accelerator_topology(
+            tpu_accelerator_version=version, tpu_topology=self.topology.strip().lower()
+        ):
+            raise ConfigError(
+                "slice.topology",
+                f"{self.topology!r} is not a valid topology for TPU {version}",
+            )
+
+    @property
+    def _worker_resources(self) -> tuple[int, dict[str, float]]:
+        from ray.util import tpu
+
+        return tpu.get_tpu_worker_resources(
+            topology=self.topology.strip().lower(),
+            accelerator_type=self.accelerator_version.strip(),
+            chips_per_vm=self.chips_per_vm,
+        )
+
+    @property
+    def hosts(self) -> int:
+        return self._worker_resources[0]
+
+    def bundles(self) -> list[dict[str, float]]:
+        n, resources = self._worker_resources
+        return [dict(resources) for _ in range(n)]
+
+    def worker_env(self) -> dict[str, str]:
+        return {"JAX_PLATFORMS": "tpu"}
+
+
+SliceSpec = Union[CpuSlice, GpuSlice, TpuSlice]
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticConfig:
+    """How a run survives failures.
+
+    policy: "pause" waits for every slice to come back (pause and resume);
+        "resize" trains on with at least `min_slices` (replica resize).
+    min_slices: for "resize", 1 .. num_slices - 1 (default 1). For "pause"
+        it is num_slices and may be left unset.
+    timeout_s: how long to wait for replacement slices before failing.
+    max_retries: failures the whole run may absorb.
+    snapshot_every: steps between in-memory snapshots; 1 (the default) keeps
+        the work redone after a failure to the step in flight; 0 turns them off.
+    batch_on_resize: "accumulate" (default) keeps the global batch constant
+        by gradient accumulation on the survivors, so the optimisation is the
+        one a failure-free run does; "shrink" drops the lost slices' shards.
+    step_deadline_floor_s / step_deadline_factor: a step that takes longer
+        than max(floor, factor * median step time) marks its slice hung.
+    first_step_deadline_s: the same for the first step after a (re)start,
+        which includes the XLA compile.
+    """
+
+    num_slices: int = 2
+    slice: SliceSpec = dataclasses.field(default_factory=CpuSlice)
+    policy: str = "pause"
+    min_slices: Optional[int] = None
+    timeout_s: float = 300.0
+    max_retries: int = 10
+    snapshot_every: int = 1
+    batch_on_resize: str = "accumulate"
+    step_deadline_floor_s: float = 10.0
+    step_deadline_factor: float = 10.0
+    first_step_deadline_s: float = 120.0
+    seed: int = 0
+
+    def __post_init__(self):
+        _positive_int("num_slices", self.num_slices)
+        if self.policy not in POLICIES:
+            raise ConfigError(
+                "policy", f"unknown policy {self.policy!r}; use one of {POLICIES}"
+            )
+        if self.policy == "pause":
+            if self.min_slices not in (None, self.num_slices):
+                raise ConfigError(
+                    "min_slices",
+                    f"policy 'pause' needs all {self.num_slices} slices; "
+                    f"got min_slices={self.min_slices}. Use policy='resize' "
+                    "to train on fewer slices.",
+                )
+        else:
+            m = 1 if self.min_slices is None else self.min_slices
+            if not isinstance(m, int) or m < 1 or m > self.num_slices:
+                raise ConfigError(
+                    "min_slices",
+                    f"must be between 1 and num_slices={self.num_slices}, got {m!r}",
+                )
+            if self.num_slices == 1:
+                raise ConfigError(
+                    "policy",
+                    "'resize' needs num_slices >= 2; with one slice use 'pause'",
+                )
+        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s < 0:
+            raise ConfigError("timeout_s", f"must be >= 0 seconds, got {self.timeout_s!r}")
+        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+            raise ConfigError("max_retries", f"must be >= 0, got {self.max_retries!r}")
+        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
+            raise ConfigError(
+                "snapshot_every", f"must be >= 0 (0 turns snapshots off), got {self.snapshot_every!r}"
+            )
+        if self.batch_on_resize not in BATCH_MODES:
+            raise ConfigError(
+                "batch_on_resize",
+                f"unknown mode {self.batch_on_resize!r}; use one of {BATCH_MODES}",
+            )
+        for name in ("step_deadline_floor_s", "step_deadline_factor", "first_step_deadline_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def required_slices(self) -> int:
+        """Slices the run needs to take a step."""
+        if self.policy == "pause":
+            return self.num_slices
+        return 1 if self.min_slices is None else self.min_slices
+
+    @classmethod
+    def from_maxtext(
+        cls,
+        num_slices: int,
+        elastic_timeout_seconds: float = 300.0,
+        elastic_max_retries: int = 10,
+        elastic_min_slice_count: int = -1,
+        **rest: Any,
+    ) -> "ElasticConfig":
+        """Build from MaxText's flag names. `elastic_min_slice_count=-1`
+        (MaxText's default) means every slice is required: pause and resume.
+        """
+        if elastic_min_slice_count == -1 or elastic_min_slice_count == num_slices:
+            policy, min_slices = "pause", None
+        else:
+            policy, min_slices = "resize", elastic_min_slice_count
+        return cls(
+            num_slices=num_slices,
+            policy=policy,
+            min_slices=min_slices,
+            timeout_s=elastic_timeout_seconds,
+            max_retries=elastic_max_retries,
+            **rest,
+        )

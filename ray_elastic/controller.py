@@ -1,0 +1,461 @@
+"""The single controller: runs in the Ray driver, never restarts, and carries
+out what the policy decides.
+
+Each step has two phases. First every live slice computes the gradients of
+its shards of the step's global batch; then every slice applies the mean of
+all shard gradients, fetched from the object store. A worker, node or hang
+failure anywhere surfaces here as a `SliceFailure` (sorted once, in
+`failures.classify`), the slice is torn down, a replacement is queued on its
+placement group, and `policy.decide` says whether to train on (resize) or
+wait (pause). Survivors keep their state in memory; new slices load it from
+the newest snapshot or straight from a survivor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+import time
+import uuid
+from typing import Callable, Optional
+
+import ray
+from ray import exceptions as rex
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.data import assign_shards
+from ray_elastic.errors import ElasticError, FailureKind, RunFailed, SliceFailure
+from ray_elastic.failures import TRANSIENT, classify, failure, is_node_alive
+from ray_elastic.faults import Fault, FaultInjector
+from ray_elastic.policy import Continue, Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
+from ray_elastic.program import TrainProgram
+from ray_elastic.report import FailureRecord, RunReport
+from ray_elastic.slice_group import LiveSlice, Provisioning, RaySlices
+from ray_elastic.snapshots import SnapshotStore
+
+__all__ = ["ElasticTrainer"]
+
+log = logging.getLogger("ray_elastic")
+
+
+class ElasticTrainer:
+    """Train `steps` steps of the program on `config.num_slices` slices,
+    surviving failures by `config.policy`.
+
+    program_factory: a picklable zero-argument callable returning the
+        TrainProgram; it runs inside each worker.
+    faults: injected failures (tests, demo, benchmarks).
+    remove_node: callback that removes a node, for `remove_node` faults.
+    on_step: called in the driver after every completed step with
+        (step, loss, live slice count).
+    """
+
+    def __init__(
+        self,
+        program_factory: Callable[[], TrainProgram],
+        config: ElasticConfig,
+        steps: int,
+        faults: tuple[Fault, ...] = (),
+        remove_node: Optional[Callable[[str], None]] = None,
+        on_step: Optional[Callable[[int, float, int], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        if not isinstance(steps, int) or steps < 1:
+            from ray_elastic.errors import ConfigError
+
+            raise ConfigError("steps", f"must be a positive integer, got {steps!r}")
+        for f in faults:
+            if f.slice_id >= config.num_slices:
+                from ray_elastic.errors import ConfigError
+
+                raise ConfigError("faults", f"{f} names slice {f.slice_id}, but num_slices={config.num_slices}")
+        self.config = config
+        self.steps = steps
+        self._factory = program_factory
+        self._injector = FaultInjector(list(faults), remove_node)
+        self._on_step = on_step
+        self._clock = clock
+        self.report = RunReport(policy=config.policy, num_slices=config.num_slices, steps_requested=steps)
+
+        self.live: dict[int, LiveSlice] = {}
+        self.ready: dict[int, LiveSlice] = {}  # built, waiting to join
+        self.coming: dict[int, Provisioning] = {}
+        self.step = 0  # steps completed in the state the live slices hold
+        self.retries = 0
+        self.waiting_since: Optional[float] = None
+        self._fresh = True  # next step is the first since a (re)start
+        self._step_durations: list[float] = []  # of kept steps, by step index
+        self._open: list[tuple[FailureRecord, float]] = []  # awaiting recovery
+        self._snapshots = SnapshotStore()
+        self._t0 = 0.0
+
+    # -- public -----------------------------------------------------------
+
+    def fit(self) -> RunReport:
+        if not ray.is_initialized():
+            ray.init()
+        r = self.report
+        r.driver_pid_start = os.getpid()
+        self._t0 = self._clock()
+        self._slices = RaySlices(
+            self.config.slice, self._factory, self.config.seed, self.config.num_slices,
+            run_name=f"ray_elastic-{uuid.uuid4().hex[:6]}",
+        )
+        try:
+            self._start()
+            while self.step < self.steps:
+                if not self._advance_membership():
+                    continue
+                try:
+                    self._take_step()
+                except SliceFailure as f:
+                    self._recover(f)
+        except RunFailed as e:
+            r.error = str(e)
+            raise
+        finally:
+            r.driver_pid_end = os.getpid()
+            r.wall_s = self._clock() - self._t0
+            r.steps_completed = self.step
+            r.productive_s = sum(self._step_durations[: self.step])
+            self._event("end", steps=self.step)
+            self._shutdown()
+        return r
+
+    # -- membership -------------------------------------------------------
+
+    def _event(self, name: str, **fields) -> None:
+        self.report.events.append({"t": round(self._clock() - self._t0, 4), "event": name, **fields})
+
+    def _view(self) -> SlicesView:
+        return SlicesView(
+            num_slices=self.config.num_slices,
+            live=frozenset(self.live),
+            ready_to_join=frozenset(self.ready),
+            retries_used=self.retries,
+            waiting_since=self.waiting_since,
+        )
+
+    def _start(self) -> None:
+        for s in range(self.config.num_slices):
+            self.coming[s] = self._slices.start(s)
+        self._event("reserve", slices=self.config.num_slices)
+        deadline = self._clock() + self.config.timeout_s
+        while len(self.ready) < self.config.num_slices:
+            self._poll_coming(block_s=0.2)
+            if self._clock() >= deadline:
+                break
+        if len(self.ready) < self.config.required_slices:
+            bundles = self.config.slice.bundles()
+            raise RunFailed(
+                f"only {len(self.ready)} of {self.config.num_slices} slices (each "
+                f"{len(bundles)} host(s) of {bundles[0]}) could be placed within "
+                f"timeout_s={self.config.timeout_s:g}. Add nodes to the cluster, "
+                "lower num_slices, or raise timeout_s.",
+                setting="num_slices",
+            )
+        self.live.update(self.ready)
+        self.ready.clear()
+        self._event("start", slices=sorted(self.live))
+
+    def _poll_coming(self, block_s: float = 0.0) -> None:
+        if block_s and self.coming:
+            refs = [r for p in self.coming.values() for r in p.setup_refs]
+            ray.wait(refs, num_returns=len(refs), timeout=block_s)
+        for s, p in list(self.coming.items()):
+            try:
+                live = self._slices.poll(p)
+            except (rex.RayActorError, rex.ObjectLostError) as e:
+                # The replacement itself died while starting (its node went
+                # away, say): queue it again on the same placement group.
+                log.warning("replacement for slice %d failed to start: %s", s, e)
+                RaySlices.kill(p.workers)
+                self.coming[s] = self._slices.start(s)
+                continue
+            if live is not None:
+                del self.coming[s]
+                self.ready[s] = live
+                self._event("slice_ready", slice=s, setup_s=round(live.ready_at - p.started_at, 3))
+
+    def _advance_membership(self) -> bool:
+        """Apply the policy at a step boundary. True when a step can run."""
+        self._poll_coming()
+        d = decide(Tick(), self._view(), self.config, self._clock())
+        if isinstance(d, Fail):
+            raise d.error
+        if isinstance(d, Grow):
+            self._join(sorted(d.slices - set(self.live)))
+            self.waiting_since = None
+            return bool(self.live)
+        if isinstance(d, Wait):
+            self._poll_coming(block_s=0.25)
+            return False
+        return True  # Continue
+
+    def _join(self, new: list[int]) -> None:
+        if not new:
+            return
+        source = self._state_source()
+        refs = []
+        for s in new:
+            if source is not None:
+                refs += [w.load_state.remote(source) for w in self.ready[s].workers]
+        try:
+            ray.get(refs, timeout=max(30.0, self.config.first_step_deadline_s))
+        except (rex.RayActorError, rex.ObjectLostError, rex.GetTimeoutError) as e:
+            log.warning("slices %s failed while loading state (%s); re-queued", new, e)
+            for s in new:
+                RaySlices.kill(self.ready.pop(s).workers)
+                self.coming[s] = self._slices.start(s)
+            return
+        for s in new:
+            self.live[s] = self.ready.pop(s)
+        self._fresh = True
+        self._event("grow", joined=new, slices=sorted(self.live), step=self.step)
+
+    def _state_source(self):
+        """Where joining slices load the state of `self.step` from: the
+        newest snapshot when it is current, else a live slice's memory, else
+        (no live slice) the newest snapshot, rolling the run back to it."""
+        latest = self._snapshots.latest_step()
+        if self.live:
+            if latest == self.step:
+                return self._snapshots.restore_source(set(self.live))[1]
+            donor = self.live[min(self.live)].workers[0]
+            return donor.state.remote()
+        if latest is not None:
+            step, source = self._snapshots.restore_source(set())
+            self._rewind_to(step)
+            return source
+        # No snapshot survives (snapshots off, or none taken yet): start over.
+        self._rewind_to(0)
+        return None
+
+    def _rewind_to(self, step: int) -> None:
+        if step < self.step:
+            self._event("rewind", from_step=self.step, to_step=step)
+        self.step = step
+        del self._step_durations[step:]
+
+    # -- one step -----------------------------------------------------------
+
+    def _deadline_s(self) -> float:
+        c = self.config
+        if self._fresh or len(self._step_durations) < 3:
+            return c.first_step_deadline_s
+        recent = self._step_durations[-20:]
+        return max(c.step_deadline_floor_s, c.step_deadline_factor * statistics.median(recent))
+
+    def _take_step(self) -> None:
+        k = self.step
+        t_start = self._clock()
+        deadline = t_start + self._deadline_s()
+        assignment = assign_shards(self.live, self.config.num_slices, self.config.batch_on_resize)
+        calls = [
+            (s, h, lambda w=w, s=s: w.compute_grads.remote(k, assignment[s]))
+            for s, sl in sorted(self.live.items())
+            for h, w in enumerate(sl.workers)
+        ]
+        issued = [(s, h, make(), make) for s, h, make in calls]
+        for fired in self._injector.fire_due(k, self.live):
+            self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host, step=k)
+        grads = self._gather(issued, k, deadline)
+        grad_refs = [ref for s, h, ref, _ in issued if h == 0]
+        del grads  # only the refs travel; workers fetch them directly
+
+        every = self.config.snapshot_every
+        snapshotters = sorted(self.live)[:2] if every and (k + 1) % every == 0 else []
+        if snapshotters:
+            self._snapshots.expect(k + 1, len(snapshotters))
+        issued2, state_refs = [], {}
+        for s, sl in sorted(self.live.items()):
+            for h, w in enumerate(sl.workers):
+                snap = h == 0 and s in snapshotters
+
+                def make(w=w, snap=snap):
+                    return w.apply.options(num_returns=2).remote(k, snap, *grad_refs)
+
+                m_ref, st_ref = make()
+                if snap:
+                    state_refs[s] = st_ref
+                issued2.append((s, h, m_ref, lambda make=make: make()[0]))
+        metrics = self._gather(issued2, k, deadline)
+        for s, ref in state_refs.items():
+            self._snapshots.offer(k + 1, s, ref)
+
+        t_end = self._clock()
+        self.step = k + 1
+        self._fresh = False
+        del self._step_durations[k:]
+        self._step_durations.append(t_end - t_start)
+        loss = next(iter(metrics.values()))["loss"]
+        r = self.report
+        r.final_loss = loss
+        del r.losses[k:], r.slices_per_step[k:], r.step_times[k:]
+        r.losses.append(loss)
+        r.slices_per_step.append(len(self.live))
+        r.step_times.append(t_end - t_start)
+        for rec, t_fault in self._open:
+            rec.recovered_s = round(t_end - t_fault, 4)
+            rec.slices_after = len(self.live)
+            self._event("recovered", slice=rec.slice, step=self.step, recovered_s=rec.recovered_s)
+        self._open.clear()
+        if self._on_step is not None:
+            self._on_step(self.step, loss, len(self.live))
+
+    def _gather(self, issued: list, k: int, deadline: float) -> dict:
+        """Wait for every call; raise a SliceFailure on the first lost slice."""
+        pending = {ref: (s, h, reissue) for s, h, ref, reissue in issued}
+        out = {}
+        while pending:
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise self._hung(pending, k)
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=remaining)
+            for ref in done:
+                s, h, reissue = pending.pop(ref)
+                try:
+                    out[(s, h)] = ray.get(ref)
+                except rex.RayError as e:
+                    kind = self._classify(e, s, h)
+                    if kind is TRANSIENT:
+                        pending[reissue()] = (s, h, reissue)
+                        continue
+                    s = self._blame(s, kind)
+                    raise failure(kind, s, h, k, _short(e)) from None
+        return out
+
+    def _classify(self, e: BaseException, s: int, h: int):
+        sl = self.live[s]
+        worker = sl.workers[h]
+
+        def ping(timeout: float) -> None:
+            ray.get(worker.ping.remote(), timeout=timeout)
+
+        return classify(e, sl.infos[h]["node_id"], ping)
+
+    def _blame(self, s: int, kind: FailureKind) -> int:
+        """A call can fail for a peer's sake (a gradient it fetched lived on
+        a node that died): blame the slice that lost a node, if any."""
+        if kind != FailureKind.NODE_DIED:
+            return s
+        for t in [s] + sorted(self.live):
+            if any(not is_node_alive(i["node_id"]) for i in self.live[t].infos):
+                return t
+        return s
+
+    def _hung(self, pending: dict, k: int) -> SliceFailure:
+        # Find the host that does not answer a ping: the others of its slice
+        # are only blocked on it. max_concurrency=2 lets pings pass a step.
+        candidates = sorted({(s, h) for s, h, _ in pending.values()})
+        for s, h in candidates:
+            try:
+                ray.get(self.live[s].workers[h].ping.remote(), timeout=0.5)
+            except rex.GetTimeoutError:
+                return failure(FailureKind.HUNG, s, h, k, f"no answer within the step deadline ({self._deadline_s():.1f} s)")
+            except rex.RayError as e:
+                kind = self._classify(e, s, h)
+                if kind is not TRANSIENT:
+                    return failure(kind, s, h, k, _short(e))
+        s, h = candidates[0]
+        return failure(FailureKind.HUNG, s, h, k, f"step did not finish within {self._deadline_s():.1f} s")
+
+    # -- recovery -----------------------------------------------------------
+
+    def _recover(self, f: SliceFailure) -> None:
+        now = self._clock()
+        fired = self._injector.last_for(f.slice_id)
+        t_fault = now
+        if fired is not None and fired.fault.step == f.step:
+            t_fault = self._t0 + (fired.at_monotonic - self._t0)
+        rec = FailureRecord(
+            kind=f.kind.value, slice=f.slice_id, host=f.host, step=f.step,
+            detected_s=round(now - t_fault, 4), cause=f.cause,
+        )
+        self.report.failures.append(rec)
+        self._event("detected", kind=f.kind.value, slice=f.slice_id, host=f.host, step=f.step, detected_s=rec.detected_s)
+        log.warning("%s", f)
+
+        d = decide(SliceLost(f.slice_id, f.kind, f.step), self._view(), self.config, now)
+        self.retries += 1
+        failed = self.live.pop(f.slice_id)
+        RaySlices.kill(failed.workers)
+        if isinstance(d, Fail):
+            raise d.error from f
+        self.coming[f.slice_id] = self._slices.start(f.slice_id)
+        self._event("replace", slice=f.slice_id)
+        try:
+            self._reconcile()
+        except SliceFailure as again:  # another slice went while we looked
+            self._open.append((rec, t_fault))
+            return self._recover(again)
+        if isinstance(d, Shrink):
+            self._event("shrink", slices=sorted(self.live), step=self.step)
+        elif isinstance(d, Wait) and self.waiting_since is None:
+            self.waiting_since = now
+            self._event("wait", deadline_s=round(d.deadline - now, 3), step=self.step)
+        rec.steps_rewound = f.step + 1 - self.step
+        rec.restored_from = "live" if self.live else "snapshot"
+        rec.slices_after = len(self.live)
+        self._fresh = True
+        self._open.append((rec, t_fault))
+
+    def _reconcile(self) -> None:
+        """Bring the survivors to one common step after a failure mid-step.
+
+        A failure during the apply phase can leave some survivors one step
+        ahead of others. Keep the newer step where a complete snapshot of it
+        exists; otherwise roll everyone back to the newest snapshot.
+        """
+        if not self.live:
+            return
+        order = sorted(self.live)
+        try:
+            held = ray.get([self.live[s].workers[0].held_step.remote() for s in order], timeout=30)
+        except rex.RayError as e:
+            raise self._first_dead(e, order) from None
+        held_by = dict(zip(order, held))
+        steps = set(held)
+        if len(steps) == 1:
+            self._rewind_to(held[0])
+            return
+        latest = self._snapshots.latest_step()
+        target = max(steps) if latest == max(steps) else latest
+        if target is None:
+            target = min(steps)  # cannot happen with snapshots on; be safe
+        _, source = self._snapshots.restore_source(set(self.live)) if latest is not None else (None, None)
+        loads = [
+            w.load_state.remote(source)
+            for s in order
+            if held_by[s] != target
+            for w in self.live[s].workers
+        ]
+        try:
+            ray.get(loads, timeout=60)
+        except rex.RayError as e:
+            raise self._first_dead(e, order) from None
+        self._rewind_to(target)
+
+    def _first_dead(self, e: BaseException, order: list[int]) -> SliceFailure:
+        for s in order:
+            for h, info in enumerate(self.live[s].infos):
+                try:
+                    ray.get(self.live[s].workers[h].ping.remote(), timeout=2)
+                except rex.RayError as pe:
+                    kind = self._classify(pe, s, h) or FailureKind.HUNG
+                    return failure(kind, s, h, self.step, _short(pe))
+        return failure(FailureKind.HUNG, order[0], 0, self.step, _short(e))
+
+    def _shutdown(self) -> None:
+        for sl in list(self.live.values()) + list(self.ready.values()):
+            RaySlices.kill(sl.workers)
+        for p in self.coming.values():
+            RaySlices.kill(p.workers)
+        self._snapshots.close()
+        self._slices.shutdown()
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]

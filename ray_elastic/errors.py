@@ -1,0 +1,111 @@
+"""Every error ray_elastic raises, in one picklable hierarchy.
+
+Failures of workers are sorted once, where they enter the controller
+(`failures.classify`), into the closed set `FailureKind`. Each exception
+carries plain data only (ints, strings), so it survives pickling between
+processes and can be caught in a notebook, a job driver, or a test.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "ElasticError",
+    "ConfigError",
+    "FailureKind",
+    "SliceFailure",
+    "WorkerProcessDied",
+    "NodeDied",
+    "WorkerHung",
+    "RunFailed",
+    "RetryBudgetExhausted",
+    "ReplacementTimeout",
+]
+
+
+class ElasticError(Exception):
+    """Base of every ray_elastic error."""
+
+
+class ConfigError(ElasticError, ValueError):
+    """A setting is invalid; raised before any cluster resource is reserved."""
+
+    def __init__(self, setting: str, problem: str):
+        self.setting = setting
+        self.problem = problem
+        super().__init__(f"{setting}: {problem}")
+
+    def __reduce__(self):
+        return (type(self), (self.setting, self.problem))
+
+
+class FailureKind(str, enum.Enum):
+    """The closed set of ways a slice can fail."""
+
+    PROCESS_DIED = "process_died"  # a worker process exited or was killed
+    NODE_DIED = "node_died"  # the node hosting a worker left the cluster
+    HUNG = "hung"  # no step finished within the step deadline
+    PREEMPTED = "preempted"  # the node was drained with a preemption notice
+
+
+class SliceFailure(ElasticError):
+    """A slice was lost. The controller catches these and recovers by policy."""
+
+    kind: FailureKind = FailureKind.PROCESS_DIED
+
+    def __init__(self, slice_id: int, host: int, step: int, cause: str):
+        self.slice_id = slice_id
+        self.host = host
+        self.step = step
+        self.cause = cause
+        super().__init__(
+            f"slice {slice_id} host {host} failed at step {step} "
+            f"({self.kind.value}): {cause}"
+        )
+
+    def __reduce__(self):
+        return (type(self), (self.slice_id, self.host, self.step, self.cause))
+
+
+class WorkerProcessDied(SliceFailure):
+    kind = FailureKind.PROCESS_DIED
+
+
+class NodeDied(SliceFailure):
+    kind = FailureKind.NODE_DIED
+
+
+class WorkerHung(SliceFailure):
+    kind = FailureKind.HUNG
+
+
+class SlicePreempted(SliceFailure):
+    kind = FailureKind.PREEMPTED
+
+
+FAILURE_TYPES = {
+    FailureKind.PROCESS_DIED: WorkerProcessDied,
+    FailureKind.NODE_DIED: NodeDied,
+    FailureKind.HUNG: WorkerHung,
+    FailureKind.PREEMPTED: SlicePreempted,
+}
+
+
+class RunFailed(ElasticError):
+    """The run cannot go on. The message names the setting to change."""
+
+    def __init__(self, message: str, setting: str = ""):
+        self.setting = setting
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.setting))
+
+
+class RetryBudgetExhausted(RunFailed):
+    """More failures happened than `max_retries` allows."""
+
+
+class ReplacementTimeout(RunFailed):
+    """Not enough slices came back within `timeout_s`."""

@@ -1,0 +1,96 @@
+"""Deterministic fault injection keyed by (slice, host, step).
+
+Used alike by the tests, `ray-elastic demo --fail-at`, and the benchmarks.
+Each fault fires once, while the step it names is in flight, and records
+the wall-clock moment it fired so detection and recovery times are measured
+from the fault itself, not from when the driver noticed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+from typing import Callable, Optional
+
+__all__ = ["Fault", "FaultInjector", "FAULT_KINDS"]
+
+FAULT_KINDS = ("kill", "remove_node", "stop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """kill: SIGKILL the worker process. remove_node: take its node out of the
+    cluster (and its processes with it). stop: SIGSTOP the worker (a hang).
+    """
+
+    kind: str
+    slice_id: int
+    step: int
+    host: int = 0
+
+    def __post_init__(self):
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind {self.kind!r}: use one of {FAULT_KINDS}")
+        if self.slice_id < 0 or self.step < 0 or self.host < 0:
+            raise ValueError("fault slice, step and host must be >= 0")
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        """'KIND:SLICE:STEP[:HOST]', e.g. 'kill:1:20'."""
+        parts = text.split(":")
+        if len(parts) not in (3, 4):
+            raise ValueError(f"fault {text!r}: expected KIND:SLICE:STEP[:HOST]")
+        kind, *nums = parts
+        return cls(kind, *[int(n) for n in nums])
+
+
+@dataclasses.dataclass
+class Fired:
+    fault: Fault
+    at_wall: float
+    at_monotonic: float
+    pid: int
+    node_id: str
+
+
+class FaultInjector:
+    """Fires faults against live workers; `remove_node` needs a callback
+    that takes a node out of the cluster (LocalCluster.remove_node)."""
+
+    def __init__(self, faults: list[Fault], remove_node: Optional[Callable[[str], None]] = None):
+        self.pending = list(faults)
+        self.fired: list[Fired] = []
+        self._remove_node = remove_node
+        if any(f.kind == "remove_node" for f in faults) and remove_node is None:
+            raise ValueError("a remove_node fault needs a cluster that can remove nodes")
+
+    def fire_due(self, step: int, live: dict) -> list[Fired]:
+        """Fire every fault due at `step` on a live slice. `live` maps slice
+        id to an object with `.infos` (pid, node_id per host)."""
+        out = []
+        for f in list(self.pending):
+            if f.step != step or f.slice_id not in live:
+                continue
+            infos = live[f.slice_id].infos
+            if f.host >= len(infos):
+                raise ValueError(f"fault {f}: slice has only {len(infos)} hosts")
+            info = infos[f.host]
+            self.pending.remove(f)
+            fired = Fired(f, time.time(), time.monotonic(), info["pid"], info["node_id"])
+            if f.kind == "kill":
+                os.kill(info["pid"], signal.SIGKILL)
+            elif f.kind == "stop":
+                os.kill(info["pid"], signal.SIGSTOP)
+            else:
+                self._remove_node(info["node_id"])
+            self.fired.append(fired)
+            out.append(fired)
+        return out
+
+    def last_for(self, slice_id: int) -> Optional[Fired]:
+        for f in reversed(self.fired):
+            if f.fault.slice_id == slice_id:
+                return f
+        return None

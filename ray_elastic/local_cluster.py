@@ -1,0 +1,84 @@
+"""A real multi-node Ray cluster on this one machine, for the demo, the
+tests and the benchmarks (`ray.cluster_utils.Cluster`).
+
+The head node has no CPUs, so no slice lands next to the driver; each
+simulated node has room for exactly one host of a slice. Removing a node
+kills its raylet and, as on real hardware, every worker process on it
+(Ray alone can leave them running: shared/NOTES.md).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Optional
+
+import ray
+from ray.cluster_utils import Cluster
+
+__all__ = ["LocalCluster"]
+
+# Faster node-death detection than Ray's production defaults, which are
+# tuned for big clusters on real networks.
+FAST_FAILURE_DETECTION = {
+    "health_check_initial_delay_ms": 1000,
+    "health_check_period_ms": 500,
+    "health_check_timeout_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+
+
+class LocalCluster:
+    def __init__(self, num_nodes: int, cpus_per_node: int = 1, object_store_mb: int = 200):
+        self._cpus = cpus_per_node
+        self._store = object_store_mb * 1024 * 1024
+        self.cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "object_store_memory": self._store,
+                "_system_config": FAST_FAILURE_DETECTION,
+            },
+        )
+        self.nodes = {}
+        for _ in range(num_nodes):
+            self.add_node()
+
+    @property
+    def address(self) -> str:
+        return self.cluster.address
+
+    def add_node(self) -> str:
+        node = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store)
+        self.nodes[node.node_id] = node
+        return node.node_id
+
+    def remove_node(self, node_id: str) -> None:
+        node = self.nodes.pop(node_id)
+        pids = _worker_pids_on(node_id)
+        self.cluster.remove_node(node, allow_graceful=False)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def connect(self) -> None:
+        if not ray.is_initialized():
+            ray.init(address=self.address, log_to_driver=False)
+
+    def shutdown(self) -> None:
+        if ray.is_initialized():
+            ray.shutdown()
+        self.cluster.shutdown()
+
+
+def _worker_pids_on(node_id: str) -> list[int]:
+    from ray.util.state import list_actors
+
+    pids = []
+    for actor in list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")]):
+        pid = getattr(actor, "pid", None)
+        if pid:
+            pids.append(int(pid))
+    return pids

@@ -1,0 +1,170 @@
+"""Ray behind one small interface: reserve a slice, bring its workers up,
+run a step phase on it, tear it down.
+
+A slice is one placement group with one bundle per host (STRICT_SPREAD: a
+host per node), and it is the failure domain: any host failing fails the
+slice. The placement group outlives its workers: when a node dies Ray moves
+the group to RESCHEDULING and places it again once a node with room joins,
+so a replacement slice is simply new workers queued on the same group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Optional
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ray_elastic.config import CpuSlice, GpuSlice, SliceSpec, TpuSlice
+from ray_elastic.program import TrainProgram
+from ray_elastic.worker import SliceWorker
+
+__all__ = ["LiveSlice", "Provisioning", "RaySlices"]
+
+_RemoteWorker = ray.remote(SliceWorker)
+
+
+@dataclasses.dataclass
+class LiveSlice:
+    slice_id: int
+    workers: list  # actor handles, host order
+    infos: list[dict]  # pid, node_id, ip per host
+    ready_at: float = 0.0
+
+
+@dataclasses.dataclass
+class Provisioning:
+    slice_id: int
+    workers: list
+    info_refs: list
+    setup_refs: list
+    started_at: float
+
+
+class RaySlices:
+    """Creates and removes the slices of one run."""
+
+    def __init__(
+        self,
+        spec: SliceSpec,
+        program_factory: Callable[[], TrainProgram],
+        seed: int,
+        num_shards: int,
+        run_name: str,
+    ):
+        self.spec = spec
+        self._factory = program_factory
+        self._seed = seed
+        self._num_shards = num_shards
+        self._run_name = run_name
+        self._pgs: dict[int, Any] = {}
+        self._tpu_handles: dict[int, Any] = {}
+
+    # -- placement groups -------------------------------------------------
+
+    def _placement_group(self, slice_id: int) -> PlacementGroup:
+        pg = self._pgs.get(slice_id)
+        if pg is not None:
+            return pg
+        name = f"{self._run_name}-slice{slice_id}"
+        if isinstance(self.spec, TpuSlice):
+            from ray.util.tpu import SlicePlacementGroup
+
+            handle = SlicePlacementGroup(
+                topology=self.spec.topology,
+                accelerator_version=self.spec.accelerator_version,
+                chips_per_vm=self.spec.chips_per_vm,
+                strategy="STRICT_SPREAD",
+                name=name,
+            )
+            self._tpu_handles[slice_id] = handle
+            pg = handle.placement_group
+        else:
+            pg = placement_group(self.spec.bundles(), strategy="STRICT_SPREAD", name=name)
+        self._pgs[slice_id] = pg
+        return pg
+
+    def _actor_options(self, pg: PlacementGroup, host: int) -> dict:
+        bundle = dict(self.spec.bundles()[host])
+        opts: dict[str, Any] = {
+            "num_cpus": bundle.pop("CPU", 0),
+            "max_restarts": 0,
+            "max_concurrency": 2,  # lets a liveness ping pass a running step
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=host
+            ),
+            "runtime_env": {"env_vars": self.spec.worker_env()},
+        }
+        if "GPU" in bundle:
+            opts["num_gpus"] = bundle.pop("GPU")
+        if bundle:
+            opts["resources"] = bundle
+        return opts
+
+    # -- workers ----------------------------------------------------------
+
+    def start(self, slice_id: int) -> Provisioning:
+        """Queue a slice's workers; they start once its group is placed."""
+        pg = self._placement_group(slice_id)
+        hosts = len(self.spec.bundles())
+        workers = [
+            _RemoteWorker.options(**self._actor_options(pg, h)).remote(
+                slice_id, h, hosts, self._factory, self._seed, self._num_shards
+            )
+            for h in range(hosts)
+        ]
+        coordinator = workers[0].coordinator_address.remote() if hosts > 1 else None
+        return Provisioning(
+            slice_id=slice_id,
+            workers=workers,
+            info_refs=[w.info.remote() for w in workers],
+            setup_refs=[w.setup.remote(coordinator) for w in workers],
+            started_at=time.monotonic(),
+        )
+
+    @staticmethod
+    def poll(p: Provisioning) -> Optional[LiveSlice]:
+        """The slice once every worker is set up; None while still coming.
+
+        Raises what a worker raised if its set-up failed.
+        """
+        refs = p.info_refs + p.setup_refs
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(done) < len(refs):
+            for ref in done:  # surface a failed worker early
+                ray.get(ref)
+            return None
+        infos = ray.get(p.info_refs)
+        ray.get(p.setup_refs)
+        return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic())
+
+    @staticmethod
+    def kill(workers: list) -> None:
+        for w in workers:
+            try:
+                ray.kill(w, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+    def placement_group_state(self, slice_id: int) -> str:
+        pg = self._pgs.get(slice_id)
+        if pg is None:
+            return "NONE"
+        table = ray.util.placement_group_table(pg)
+        return table.get("state", "UNKNOWN")
+
+    def shutdown(self) -> None:
+        for pg in self._pgs.values():
+            try:
+                remove_placement_group(pg)
+            except Exception:
+                pass
+        for handle in self._tpu_handles.values():
+            try:
+                handle.shutdown()
+            except Exception:
+                pass
+        self._pgs.clear()

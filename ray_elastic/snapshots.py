@@ -1,0 +1,96 @@
+"""In-memory snapshots of the training state in Ray's object store.
+
+Where a copy lives decides what it survives (shared/NOTES.md): a worker's
+return value is owned by the driver but stored on the worker's node. So a
+snapshot counts as complete only once it has copies in two failure domains:
+the host-0 workers of two different slices, or, with one live slice, that
+slice plus a copy pinned by the driver on the head node (which is fated to
+the driver anyway). Losing one node or one whole slice then never loses the
+latest complete snapshot.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from typing import Any, Optional
+
+import ray
+
+__all__ = ["SnapshotStore"]
+
+
+@dataclasses.dataclass
+class _Pending:
+    step: int
+    needed: int
+    refs: dict  # slice_id -> ObjectRef
+    pinned: Optional[concurrent.futures.Future] = None
+
+
+class SnapshotStore:
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-pin")
+        self._pending: Optional[_Pending] = None
+        self._complete: Optional[_Pending] = None
+        self._pinned_value: Any = None
+
+    def expect(self, step: int, copies_from_slices: int) -> None:
+        """A snapshot of `step` is being taken by that many slices."""
+        self._pending = _Pending(step, max(1, copies_from_slices), {})
+
+    def offer(self, step: int, slice_id: int, ref: Any) -> None:
+        p = self._pending
+        if p is None or p.step != step:
+            return
+        p.refs[slice_id] = ref
+        if p.needed == 1 and p.pinned is None:
+            # One slice only: pin a second copy next to the driver, off the
+            # step loop's thread.
+            p.pinned = self._pool.submit(ray.get, ref)
+        self._promote()
+
+    def _promote(self) -> None:
+        p = self._pending
+        if p is None or len(p.refs) < p.needed:
+            return
+        if p.pinned is not None and (not p.pinned.done() or p.pinned.exception() is not None):
+            return
+        self._pinned_value = p.pinned.result() if p.pinned is not None else None
+        self._complete, self._pending = p, None
+
+    def latest_step(self) -> Optional[int]:
+        self._promote()
+        return None if self._complete is None else self._complete.step
+
+    def restore_source(self, intact_slices) -> Optional[tuple[int, Any]]:
+        """(step, object) to load the newest complete snapshot from.
+
+        Prefers a copy held by a slice that is still intact; falls back to
+        the driver's pinned copy. None if no complete snapshot survives.
+        """
+        self._promote()
+        c = self._complete
+        if c is None:
+            return None
+        for slice_id, ref in c.refs.items():
+            if slice_id in intact_slices:
+                return c.step, ref
+        if self._pinned_value is not None:
+            return c.step, self._pinned_value
+        # Copies on slices that failed may still be readable (a killed
+        # process leaves its node's object store intact); the caller's load
+        # fails over if not.
+        return c.step, next(iter(c.refs.values()))
+
+    def wait_pinned(self, timeout: float) -> None:
+        p = self._pending
+        if p is not None and p.pinned is not None:
+            try:
+                p.pinned.result(timeout=timeout)
+            except Exception:
+                pass
+        self._promote()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

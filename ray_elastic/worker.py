@@ -1,0 +1,224 @@
+"""The worker: one process per host, running the slice's part of each step.
+
+A slice is one JAX system (`jax.distributed` across its hosts when it has
+more than one) with a 1-D mesh over all its devices: the batch is split over
+that axis and the training state is replicated. Slices are data-parallel
+replicas of each other; the controller is the slice axis: it hands each
+slice its shards, gathers the shard gradients through Ray's object store,
+and has every slice apply their mean. A slice can therefore be lost, added
+or replaced without touching the JAX systems of the others, which is what
+makes recovery take a step rather than a restart (a JAX process cannot
+re-join a new distributed group: see shared/NOTES.md).
+
+This module is imported inside worker processes; it imports JAX lazily so
+the driver never has to.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ray_elastic.data import host_rows
+from ray_elastic.program import TrainProgram
+
+__all__ = ["SliceWorker"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class SliceWorker:
+    """Plain class; `actors.py` turns it into a Ray actor."""
+
+    def __init__(
+        self,
+        slice_id: int,
+        host: int,
+        hosts: int,
+        program_factory: Callable[[], TrainProgram],
+        seed: int,
+        num_shards: int,
+    ):
+        self.slice_id = slice_id
+        self.host = host
+        self.hosts = hosts
+        self._factory = program_factory
+        self._seed = seed
+        self._num_shards = num_shards
+        self._step = -1  # step of the state held; -1 before any
+        self._last_apply: Optional[dict] = None
+
+    # -- set-up -----------------------------------------------------------
+
+    def info(self) -> dict:
+        import ray
+
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+        }
+
+    def coordinator_address(self) -> str:
+        """Host 0 of a multi-host slice hosts the JAX coordinator."""
+        import ray
+
+        return f"{ray.util.get_node_ip_address()}:{_free_port()}"
+
+    def setup(self, coordinator: Optional[str]) -> dict:
+        """Start JAX, build the program, compile the step, make step-0 state."""
+        t0 = time.perf_counter()
+        import jax
+
+        if coordinator is not None:
+            if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host)
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+        import optax
+
+        self._jax = jax
+        self.program = program = self._factory()
+        self.mesh = Mesh(np.array(jax.devices()), ("data",))
+        self._replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+
+        def grad_fn(params, batch):
+            return jax.value_and_grad(program.loss_fn)(params, batch)
+
+        def update_fn(params, opt_state, grads):
+            updates, opt_state = program.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        params = jax.jit(program.init_params, out_shardings=self._replicated)(
+            jax.random.PRNGKey(self._seed)
+        )
+        opt_state = jax.jit(program.optimizer.init, out_shardings=self._replicated)(params)
+        sample = self._local_batch(0, 0)
+        global_shape = {
+            k: jax.ShapeDtypeStruct((v.shape[0] * self.hosts,) + v.shape[1:], v.dtype, sharding=self._batch_sharding)
+            for k, v in sample.items()
+        }
+        # Compile once, ahead of time: shapes never change with the number of
+        # live slices, so resizing never recompiles.
+        self._grad = (
+            jax.jit(grad_fn, out_shardings=self._replicated).lower(params, global_shape).compile()
+        )
+        self._update = (
+            jax.jit(update_fn, out_shardings=(self._replicated, self._replicated), donate_argnums=(0, 1))
+            .lower(params, opt_state, params)
+            .compile()
+        )
+        self.params, self.opt_state = params, opt_state
+        self._step = 0
+        return {"setup_s": time.perf_counter() - t0, "devices": len(jax.devices())}
+
+    # -- one step, in two phases -------------------------------------------
+
+    def _local_batch(self, step: int, shard: int) -> dict:
+        full = self.program.make_batch(self._seed, step, shard, self._num_shards)
+        out = {}
+        for k, v in full.items():
+            v = np.asarray(v)
+            out[k] = v[host_rows(v.shape[0], self.host, self.hosts)]
+        return out
+
+    def _to_global_batch(self, local: dict) -> dict:
+        return {
+            k: self._jax.make_array_from_process_local_data(self._batch_sharding, v)
+            for k, v in local.items()
+        }
+
+    def compute_grads(self, step: int, shards: tuple[int, ...]) -> Optional[dict]:
+        """Phase 1: the gradient of each assigned shard at the held state.
+
+        `step` is the index of the step being taken: the state held is the
+        result of `step` completed steps. Pure in (state, step, shards), so
+        the controller may re-issue it.
+        """
+        if step != self._step:
+            raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked for {step}")
+        grads, losses = {}, {}
+        for shard in shards:
+            loss, g = self._grad(self.params, self._to_global_batch(self._local_batch(step, shard)))
+            if self.host == 0:
+                grads[shard] = self._jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), g)
+                losses[shard] = float(np.asarray(loss.addressable_data(0)))
+        if self.host != 0:
+            return None  # host 0 speaks for the slice: the values are replicated
+        return {"grads": grads, "loss": losses}
+
+    def apply(self, step: int, snapshot: bool, *shard_results: Optional[dict]):
+        """Phase 2: apply the mean of all shard gradients, in shard order.
+
+        Returns (metrics, snapshot-or-None). Idempotent for a step already
+        applied, so the controller can re-issue it after a transient error.
+        """
+        if self._step == step + 1 and self._last_apply is not None:
+            return self._last_apply, (self.state() if snapshot else None)
+        if step != self._step:
+            raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked to apply {step}")
+        grads, losses = {}, {}
+        for r in shard_results:
+            if r is not None:
+                grads.update(r["grads"])
+                losses.update(r["loss"])
+        order = sorted(grads)
+        # Sum in shard order so the result does not depend on which slice
+        # computed which shard: a resized run matches a failure-free one.
+        mean = self._jax.tree.map(lambda *gs: _ordered_mean(gs), *[grads[s] for s in order])
+        mean = self._jax.tree.map(self._replicate, mean)
+        self.params, self.opt_state = self._update(self.params, self.opt_state, mean)
+        self._step = step + 1
+        metrics = {
+            "step": step + 1,
+            "loss": float(np.mean([losses[s] for s in order])),
+            "shards": len(order),
+        }
+        self._last_apply = metrics
+        return metrics, (self.state() if snapshot else None)
+
+    # -- state -------------------------------------------------------------
+
+    def _replicate(self, value: np.ndarray):
+        value = np.asarray(value)
+        return self._jax.make_array_from_callback(value.shape, self._replicated, lambda idx: value[idx])
+
+    def state(self) -> dict:
+        """The training state as host numpy arrays (for snapshots)."""
+        host = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731 (replicated)
+        return {
+            "step": self._step,
+            "params": self._jax.tree.map(host, self.params),
+            "opt_state": self._jax.tree.map(host, self.opt_state),
+        }
+
+    def load_state(self, state: dict) -> int:
+        self.params = self._jax.tree.map(self._replicate, state["params"])
+        self.opt_state = self._jax.tree.map(self._replicate, state["opt_state"])
+        self._step = int(state["step"])
+        self._last_apply = None
+        return self._step
+
+    def held_step(self) -> int:
+        return self._step
+
+    def ping(self) -> bool:
+        return True
+
+
+def _ordered_mean(values: tuple) -> np.ndarray:
+    acc = np.array(values[0], copy=True)
+    for v in values[1:]:
+        acc += v
+    acc /= len(values)
+    return acc
