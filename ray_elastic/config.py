@@ -6,6 +6,7 @@ names the setting to change. docs/configuration.md lists every field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional, Union
 
 from ray_elastic.errors import ConfigError
@@ -14,6 +15,14 @@ __all__ = ["CpuSlice", "GpuSlice", "TpuSlice", "ElasticConfig", "SliceSpec"]
 
 POLICIES = ("pause", "resize")
 BATCH_MODES = ("accumulate", "shrink")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive_int(setting: str, value: Any) -> None:
@@ -82,6 +91,9 @@ class TpuSlice:
 
         from ray._private.accelerators import TPUAcceleratorManager
 
+        for name in ("topology", "accelerator_version"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"slice.{name}", f"must be a string, got {getattr(self, name)!r}")
         try:
             version = tpu.get_tpu_version_from_type(self.accelerator_version.strip())
         except Exception as exc:  # ray raises ValueError for unknown types
@@ -93,6 +105,12 @@ class TpuSlice:
                 "slice.topology",
                 f"{self.topology!r} is not a valid topology for TPU {version}",
             )
+        if self.chips_per_vm is not None:
+            _positive_int("slice.chips_per_vm", self.chips_per_vm)
+        try:
+            self._worker_resources
+        except ValueError as exc:
+            raise ConfigError("slice.chips_per_vm", str(exc)) from None
 
     @property
     def _worker_resources(self) -> tuple[int, dict[str, float]]:
@@ -155,6 +173,8 @@ class ElasticConfig:
 
     def __post_init__(self):
         _positive_int("num_slices", self.num_slices)
+        if not isinstance(self.slice, (CpuSlice, GpuSlice, TpuSlice)):
+            raise ConfigError("slice", f"must be a CpuSlice, GpuSlice or TpuSlice, got {self.slice!r}")
         if self.policy not in POLICIES:
             raise ConfigError(
                 "policy", f"unknown policy {self.policy!r}; use one of {POLICIES}"
@@ -169,7 +189,7 @@ class ElasticConfig:
                 )
         else:
             m = 1 if self.min_slices is None else self.min_slices
-            if not isinstance(m, int) or m < 1 or m > self.num_slices:
+            if not _count(m) or m < 1 or m > self.num_slices:
                 raise ConfigError(
                     "min_slices",
                     f"must be between 1 and num_slices={self.num_slices}, got {m!r}",
@@ -179,11 +199,11 @@ class ElasticConfig:
                     "policy",
                     "'resize' needs num_slices >= 2; with one slice use 'pause'",
                 )
-        if not isinstance(self.timeout_s, (int, float)) or self.timeout_s < 0:
+        if not _number(self.timeout_s) or self.timeout_s < 0:
             raise ConfigError("timeout_s", f"must be >= 0 seconds, got {self.timeout_s!r}")
-        if not isinstance(self.max_retries, int) or self.max_retries < 0:
+        if not _count(self.max_retries) or self.max_retries < 0:
             raise ConfigError("max_retries", f"must be >= 0, got {self.max_retries!r}")
-        if not isinstance(self.snapshot_every, int) or self.snapshot_every < 0:
+        if not _count(self.snapshot_every) or self.snapshot_every < 0:
             raise ConfigError(
                 "snapshot_every", f"must be >= 0 (0 turns snapshots off), got {self.snapshot_every!r}"
             )
@@ -193,7 +213,7 @@ class ElasticConfig:
                 f"unknown mode {self.batch_on_resize!r}; use one of {BATCH_MODES}",
             )
         for name in ("step_deadline_floor_s", "step_deadline_factor", "first_step_deadline_s"):
-            if getattr(self, name) <= 0:
+            if not _number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
 
     @property

@@ -49,6 +49,8 @@ class ElasticTrainer:
     remove_node: callback that removes a node, for `remove_node` faults.
     on_step: called in the driver after every completed step with
         (step, loss, live slice count).
+    on_event: called in the driver's main thread with each timeline event
+        (a dict with "t" and "event"), e.g. to add a replacement node.
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class ElasticTrainer:
         faults: tuple[Fault, ...] = (),
         remove_node: Optional[Callable[[str], None]] = None,
         on_step: Optional[Callable[[int, float, int], None]] = None,
+        on_event: Optional[Callable[[dict], None]] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if not isinstance(steps, int) or steps < 1:
@@ -75,6 +78,7 @@ class ElasticTrainer:
         self._factory = program_factory
         self._injector = FaultInjector(list(faults), remove_node)
         self._on_step = on_step
+        self._on_event = on_event
         self._clock = clock
         self.report = RunReport(policy=config.policy, num_slices=config.num_slices, steps_requested=steps)
 
@@ -126,7 +130,10 @@ class ElasticTrainer:
     # -- membership -------------------------------------------------------
 
     def _event(self, name: str, **fields) -> None:
-        self.report.events.append({"t": round(self._clock() - self._t0, 4), "event": name, **fields})
+        event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
+        self.report.events.append(event)
+        if self._on_event is not None:
+            self._on_event(event)
 
     def _view(self) -> SlicesView:
         return SlicesView(
@@ -166,7 +173,21 @@ class ElasticTrainer:
         for s, p in list(self.coming.items()):
             try:
                 live = self._slices.poll(p)
-            except (rex.RayActorError, rex.ObjectLostError) as e:
+            except rex.RayActorError as e:
+                if getattr(e, "actor_init_failed", False):
+                    # The worker's own constructor raised: a bug or a bad
+                    # environment, not a hardware failure. Retrying won't help.
+                    raise RunFailed(
+                        f"the worker for slice {s} could not start: {_short(e)}. "
+                        "Check that the program factory and its modules can be "
+                        "imported and unpickled on the worker nodes.",
+                        setting="program_factory",
+                    ) from e
+                log.warning("replacement for slice %d failed to start: %s", s, e)
+                RaySlices.kill(p.workers)
+                self.coming[s] = self._slices.start(s)
+                continue
+            except rex.ObjectLostError as e:
                 # The replacement itself died while starting (its node went
                 # away, say): queue it again on the same placement group.
                 log.warning("replacement for slice %d failed to start: %s", s, e)
@@ -366,9 +387,9 @@ class ElasticTrainer:
     def _recover(self, f: SliceFailure) -> None:
         now = self._clock()
         fired = self._injector.last_for(f.slice_id)
-        t_fault = now
+        t_fault = now  # no injected fault: measure from the first sign of it
         if fired is not None and fired.fault.step == f.step:
-            t_fault = self._t0 + (fired.at_monotonic - self._t0)
+            t_fault = fired.at_monotonic
         rec = FailureRecord(
             kind=f.kind.value, slice=f.slice_id, host=f.host, step=f.step,
             detected_s=round(now - t_fault, 4), cause=f.cause,

@@ -18,6 +18,7 @@ __all__ = [
     "WorkerProcessDied",
     "NodeDied",
     "WorkerHung",
+    "SlicePreempted",
     "RunFailed",
     "RetryBudgetExhausted",
     "ReplacementTimeout",

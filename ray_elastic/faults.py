@@ -77,7 +77,6 @@ class FaultInjector:
             if f.host >= len(infos):
                 raise ValueError(f"fault {f}: slice has only {len(infos)} hosts")
             info = infos[f.host]
-            self.pending.remove(f)
             fired = Fired(f, time.time(), time.monotonic(), info["pid"], info["node_id"])
             if f.kind == "kill":
                 os.kill(info["pid"], signal.SIGKILL)
@@ -85,6 +84,7 @@ class FaultInjector:
                 os.kill(info["pid"], signal.SIGSTOP)
             else:
                 self._remove_node(info["node_id"])
+            self.pending.remove(f)  # only once it has really fired
             self.fired.append(fired)
             out.append(fired)
         return out

@@ -1,0 +1,142 @@
+"""Unit tests for ray_elastic.errors: hierarchy and pickling."""
+
+from __future__ import annotations
+
+import pickle
+
+import cloudpickle
+import pytest
+
+from ray_elastic import errors
+from ray_elastic.errors import (
+    FAILURE_TYPES,
+    ConfigError,
+    ElasticError,
+    FailureKind,
+    NodeDied,
+    ReplacementTimeout,
+    RetryBudgetExhausted,
+    RunFailed,
+    SliceFailure,
+    SlicePreempted,
+    WorkerHung,
+    WorkerProcessDied,
+)
+
+SLICE_FAILURES = [SliceFailure, WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted]
+RUN_FAILURES = [RunFailed, RetryBudgetExhausted, ReplacementTimeout]
+DUMPERS = [
+    pytest.param(lambda e: pickle.loads(pickle.dumps(e)), id="pickle"),
+    pytest.param(
+        lambda e: pickle.loads(pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL)),
+        id="pickle-highest",
+    ),
+    pytest.param(lambda e: cloudpickle.loads(cloudpickle.dumps(e)), id="cloudpickle"),
+]
+
+
+@pytest.mark.parametrize("roundtrip", DUMPERS)
+@pytest.mark.parametrize("cls", SLICE_FAILURES)
+def test_slice_failure_roundtrip(cls, roundtrip):
+    e = cls(slice_id=3, host=1, step=17, cause="SIGKILL from test")
+    back = roundtrip(e)
+    assert type(back) is cls
+    assert (back.slice_id, back.host, back.step, back.cause) == (3, 1, 17, "SIGKILL from test")
+    assert back.kind is cls.kind
+    assert str(back) == str(e)
+    assert "slice 3 host 1" in str(back) and "step 17" in str(back)
+    assert cls.kind.value in str(back)
+
+
+@pytest.mark.parametrize("roundtrip", DUMPERS)
+@pytest.mark.parametrize("cls", RUN_FAILURES)
+def test_run_failed_roundtrip(cls, roundtrip):
+    e = cls("ran out; raise max_retries", setting="max_retries")
+    back = roundtrip(e)
+    assert type(back) is cls
+    assert back.setting == "max_retries"
+    assert str(back) == "ran out; raise max_retries"
+    assert back.args == e.args
+
+
+@pytest.mark.parametrize("roundtrip", DUMPERS)
+def test_run_failed_default_setting_roundtrip(roundtrip):
+    back = roundtrip(RunFailed("boom"))
+    assert back.setting == ""
+    assert str(back) == "boom"
+
+
+@pytest.mark.parametrize("roundtrip", DUMPERS)
+def test_config_error_roundtrip(roundtrip):
+    e = ConfigError("slice.topology", "'3x3' is not valid")
+    back = roundtrip(e)
+    assert type(back) is ConfigError
+    assert back.setting == "slice.topology"
+    assert back.problem == "'3x3' is not valid"
+    assert str(back) == "slice.topology: '3x3' is not valid" == str(e)
+
+
+@pytest.mark.parametrize("roundtrip", DUMPERS)
+def test_failure_kind_roundtrip(roundtrip):
+    for k in FailureKind:
+        assert roundtrip(k) is k
+
+
+def test_slice_failure_kinds_distinct_and_cover_failure_kind():
+    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted]
+    kinds = [c.kind for c in subclasses]
+    assert len(set(kinds)) == len(kinds)
+    assert set(kinds) == set(FailureKind)
+    # every SliceFailure subclass defined in the module is accounted for
+    defined = {
+        obj
+        for obj in vars(errors).values()
+        if isinstance(obj, type) and issubclass(obj, SliceFailure) and obj is not SliceFailure
+    }
+    assert defined == set(subclasses)
+
+
+def test_failure_types_table():
+    assert set(FAILURE_TYPES) == set(FailureKind)
+    for kind, cls in FAILURE_TYPES.items():
+        assert issubclass(cls, SliceFailure)
+        assert cls.kind is kind
+
+
+def test_failure_kind_is_str():
+    assert FailureKind("node_died") is FailureKind.NODE_DIED
+    assert FailureKind.HUNG == "hung"
+
+
+@pytest.mark.parametrize(
+    "cls", SLICE_FAILURES + RUN_FAILURES + [ConfigError, ElasticError]
+)
+def test_all_derive_from_elastic_error(cls):
+    assert issubclass(cls, ElasticError)
+    assert issubclass(cls, Exception)
+
+
+def test_hierarchy():
+    assert issubclass(ConfigError, ValueError)
+    assert issubclass(RetryBudgetExhausted, RunFailed)
+    assert issubclass(ReplacementTimeout, RunFailed)
+    assert not issubclass(RunFailed, SliceFailure)
+    assert not issubclass(SliceFailure, RunFailed)
+
+
+def test_every_exception_in_module_derives_from_elastic_error():
+    excs = [
+        obj
+        for obj in vars(errors).values()
+        if isinstance(obj, type) and issubclass(obj, BaseException)
+    ]
+    assert len(excs) >= 10
+    for cls in excs:
+        assert issubclass(cls, ElasticError), cls
+
+
+def test_can_catch_as_elastic_error():
+    with pytest.raises(ElasticError):
+        raise NodeDied(0, 0, 0, "gone")
+    with pytest.raises(ElasticError):
+        raise ReplacementTimeout("late", setting="timeout_s")
