@@ -26,10 +26,8 @@ __all__ = ["main"]
 
 
 def _example_lm():
-    """Import examples/lm.py and ship it to workers by value, so worker
-    processes need no copy of the examples folder on their path."""
-    from ray import cloudpickle  # Ray pickles with its own copy
-
+    """Import examples/lm.py here; `_demo` ships the folder to the workers
+    with Ray's runtime_env (py_modules), as a user's job would."""
     root = Path(__file__).resolve().parents[1]
     if not (root / "examples" / "lm.py").exists():
         raise SystemExit(
@@ -38,9 +36,7 @@ def _example_lm():
         )
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    lm = importlib.import_module("examples.lm")
-    cloudpickle.register_pickle_by_value(lm)
-    return lm
+    return importlib.import_module("examples.lm")
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -63,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"starting a local Ray cluster: head + {args.slices * args.hosts_per_slice} nodes", flush=True)
     t0 = time.monotonic()
     cluster = LocalCluster(num_nodes=args.slices * args.hosts_per_slice)
-    cluster.connect()
+    cluster.connect(runtime_env={"py_modules": [os.path.dirname(lm.__file__)]})
     print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", flush=True)
 
     lost_node = {"pending": False}

@@ -63,9 +63,9 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
 
-    def connect(self) -> None:
+    def connect(self, runtime_env: Optional[dict] = None) -> None:
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False)
+            ray.init(address=self.address, log_to_driver=False, runtime_env=runtime_env)
 
     def shutdown(self) -> None:
         if ray.is_initialized():
