@@ -51,6 +51,8 @@ class ElasticTrainer:
         (step, loss, live slice count).
     on_event: called in the driver's main thread with each timeline event
         (a dict with "t" and "event"), e.g. to add a replacement node.
+    keep_final_state: fetch the final training state (host numpy arrays)
+        into `self.final_state` before the workers are torn down.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class ElasticTrainer:
         remove_node: Optional[Callable[[str], None]] = None,
         on_step: Optional[Callable[[int, float, int], None]] = None,
         on_event: Optional[Callable[[dict], None]] = None,
+        keep_final_state: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ):
         if not isinstance(steps, int) or steps < 1:
@@ -79,6 +82,8 @@ class ElasticTrainer:
         self._injector = FaultInjector(list(faults), remove_node)
         self._on_step = on_step
         self._on_event = on_event
+        self._keep_final_state = keep_final_state
+        self.final_state: Optional[dict] = None
         self._clock = clock
         self.report = RunReport(policy=config.policy, num_slices=config.num_slices, steps_requested=steps)
 
@@ -105,6 +110,7 @@ class ElasticTrainer:
         self._slices = RaySlices(
             self.config.slice, self._factory, self.config.seed, self.config.num_slices,
             run_name=f"ray_elastic-{uuid.uuid4().hex[:6]}",
+            compile_cache_dir=self.config.compile_cache_dir,
         )
         try:
             self._start()
@@ -115,6 +121,8 @@ class ElasticTrainer:
                     self._take_step()
                 except SliceFailure as f:
                     self._recover(f)
+            if self._keep_final_state:
+                self.final_state = ray.get(self.live[min(self.live)].workers[0].state.remote())
         except RunFailed as e:
             r.error = str(e)
             raise
@@ -148,7 +156,10 @@ class ElasticTrainer:
         for s in range(self.config.num_slices):
             self.coming[s] = self._slices.start(s)
         self._event("reserve", slices=self.config.num_slices)
-        deadline = self._clock() + self.config.timeout_s
+        # Start-up includes worker processes importing JAX and compiling,
+        # so it gets at least the first step's deadline.
+        wait_s = max(self.config.timeout_s, self.config.first_step_deadline_s)
+        deadline = self._clock() + wait_s
         while len(self.ready) < self.config.num_slices:
             self._poll_coming(block_s=0.2)
             if self._clock() >= deadline:
@@ -158,8 +169,8 @@ class ElasticTrainer:
             raise RunFailed(
                 f"only {len(self.ready)} of {self.config.num_slices} slices (each "
                 f"{len(bundles)} host(s) of {bundles[0]}) could be placed within "
-                f"timeout_s={self.config.timeout_s:g}. Add nodes to the cluster, "
-                "lower num_slices, or raise timeout_s.",
+                f"{wait_s:g} s (the larger of timeout_s and first_step_deadline_s). "
+                "Add nodes to the cluster, lower num_slices, or raise timeout_s.",
                 setting="num_slices",
             )
         self.live.update(self.ready)

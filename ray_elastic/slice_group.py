@@ -54,11 +54,13 @@ class RaySlices:
         seed: int,
         num_shards: int,
         run_name: str,
+        compile_cache_dir: str = "",
     ):
         self.spec = spec
         self._factory = program_factory
         self._seed = seed
         self._num_shards = num_shards
+        self._cache_dir = compile_cache_dir
         self._run_name = run_name
         self._pgs: dict[int, Any] = {}
         self._tpu_handles: dict[int, Any] = {}
@@ -121,7 +123,7 @@ class RaySlices:
             slice_id=slice_id,
             workers=workers,
             info_refs=[w.info.remote() for w in workers],
-            setup_refs=[w.setup.remote(coordinator) for w in workers],
+            setup_refs=[w.setup.remote(coordinator, self._cache_dir) for w in workers],
             started_at=time.monotonic(),
         )
 

@@ -73,10 +73,15 @@ class SliceWorker:
 
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
-    def setup(self, coordinator: Optional[str]) -> dict:
+    def setup(self, coordinator: Optional[str], compile_cache_dir: str = "") -> dict:
         """Start JAX, build the program, compile the step, make step-0 state."""
         t0 = time.perf_counter()
         import jax
+
+        if compile_cache_dir:
+            jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
         if coordinator is not None:
             if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":

@@ -1,0 +1,56 @@
+"""Shared fixtures: one real multi-node Ray cluster for the whole session.
+
+Ray clusters take seconds to start, so every cluster test shares one; each
+test says how many worker nodes it needs and `nodes(n)` adds or removes idle
+nodes to match, so a test that removes a node never starves the next one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    from ray_elastic.local_cluster import LocalCluster
+
+    c = LocalCluster(num_nodes=2)
+    c.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    yield c
+    c.shutdown()
+
+
+@pytest.fixture
+def nodes(cluster):
+    """nodes(n): make the cluster have exactly n live worker nodes."""
+    import ray
+
+    def ensure(n: int):
+        alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
+        for node_id in list(cluster.nodes):
+            if node_id not in alive:
+                cluster.nodes.pop(node_id)
+        while len(cluster.nodes) > n:
+            node_id = next(reversed(cluster.nodes))
+            cluster.cluster.remove_node(cluster.nodes.pop(node_id))
+        while len(cluster.nodes) < n:
+            cluster.add_node()
+        return cluster
+
+    return ensure
+
+
+@pytest.fixture(scope="session")
+def lm_factory():
+    import examples.lm as lm
+
+    return functools.partial(lm.make_program, lm.LMConfig())

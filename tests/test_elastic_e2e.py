@@ -1,0 +1,219 @@
+"""End to end on a real local multi-node Ray cluster with real JAX workers.
+
+Faults are real: SIGKILL of a worker process, a node taken out of the
+cluster with its processes, a worker frozen with SIGSTOP. Each run is
+compared with a failure-free run of the same seed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import ray
+
+from ray_elastic import (
+    ConfigError,
+    ElasticConfig,
+    ElasticTrainer,
+    Fault,
+    ReplacementTimeout,
+    RetryBudgetExhausted,
+)
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 12
+FAIL_AT = 5
+
+
+def _config(**kw) -> ElasticConfig:
+    kw.setdefault("num_slices", 2)
+    kw.setdefault("step_deadline_floor_s", 2.0)
+    kw.setdefault("timeout_s", 120.0)
+    return ElasticConfig(**kw)
+
+
+def _run(factory, config, steps=STEPS, faults=(), cluster=None, on_event=None):
+    trainer = ElasticTrainer(
+        factory, config, steps, faults=faults,
+        remove_node=cluster.remove_node if cluster else None,
+        on_event=on_event, keep_final_state=True,
+    )
+    report = trainer.fit()
+    return trainer, report
+
+
+def _leaves(state):
+    import jax
+
+    return jax.tree.leaves((state["params"], state["opt_state"]))
+
+
+def _assert_bitwise_equal(a, b):
+    assert a["step"] == b["step"]
+    la, lb = _leaves(a), _leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _add_node_on(cluster, event_name):
+    def on_event(e):
+        if e["event"] == event_name:
+            cluster.add_node()
+
+    return on_event
+
+
+@pytest.fixture(scope="module")
+def baseline(cluster, lm_factory):
+    """A failure-free run: the reference every recovered run must match."""
+    ray.get([])  # cluster connected
+    for node_id in list(cluster.nodes)[2:]:
+        cluster.remove_node(node_id)
+    trainer, report = _run(lm_factory, _config(policy="pause"))
+    assert report.steps_completed == STEPS and not report.failures
+    assert report.losses[-1] < report.losses[0]
+    return trainer.final_state
+
+
+def _common_checks(report, kind):
+    assert report.driver_pid_start == report.driver_pid_end == os.getpid()
+    assert report.steps_completed == STEPS
+    assert len(report.failures) == 1
+    f = report.failures[0]
+    assert f.kind == kind
+    assert f.slice == 1 and f.step == FAIL_AT
+    assert f.detected_s > 0 and f.recovered_s is not None and f.recovered_s >= f.detected_s
+    assert f.steps_rewound <= 1
+    return f
+
+
+# -- pause and resume --------------------------------------------------------
+
+
+def test_pause_worker_killed(nodes, lm_factory, baseline):
+    nodes(2)
+    trainer, report = _run(lm_factory, _config(policy="pause"), faults=(Fault("kill", 1, FAIL_AT),))
+    f = _common_checks(report, "process_died")
+    assert f.slices_after == 2
+    assert min(report.slices_per_step) == 2  # never trained on fewer
+    assert any(e["event"] == "wait" for e in report.events)
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
+def test_pause_node_removed_waits_for_replacement(nodes, lm_factory, baseline):
+    cluster = nodes(2)
+    trainer, report = _run(
+        lm_factory, _config(policy="pause"), faults=(Fault("remove_node", 1, FAIL_AT),),
+        cluster=cluster, on_event=_add_node_on(cluster, "wait"),
+    )
+    f = _common_checks(report, "node_died")
+    assert f.slices_after == 2 and min(report.slices_per_step) == 2
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
+def test_pause_worker_hung(nodes, lm_factory, baseline):
+    nodes(2)
+    trainer, report = _run(lm_factory, _config(policy="pause"), faults=(Fault("stop", 1, FAIL_AT),))
+    f = _common_checks(report, "hung")
+    assert f.detected_s >= 2.0  # not before the step deadline's floor
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
+# -- replica resize ------------------------------------------------------------
+
+
+def test_resize_worker_killed_shrinks_and_grows_back(nodes, lm_factory, baseline):
+    nodes(2)
+    steps = 200  # long enough for the replacement worker to start and join
+    trainer, report = _run(lm_factory, _config(policy="resize"), steps=steps, faults=(Fault("kill", 1, FAIL_AT),))
+    assert report.steps_completed == steps
+    f = report.failures[0]
+    assert f.kind == "process_died" and f.slices_after == 1 and f.steps_rewound == 1
+    per_step = report.slices_per_step
+    assert per_step[FAIL_AT] == 1  # the step after the fault ran on the survivor
+    assert per_step[-1] == 2  # grew back
+    assert any(e["event"] == "grow" and e["joined"] == [1] for e in report.events)
+
+
+def test_resize_accumulate_matches_failure_free_run(nodes, lm_factory, baseline):
+    """With gradient accumulation the survivor takes the lost slice's shard,
+    so the steps taken are exactly those of the failure-free run."""
+    nodes(2)
+    trainer, report = _run(lm_factory, _config(policy="resize"), faults=(Fault("kill", 1, FAIL_AT),))
+    _common_checks(report, "process_died")
+    assert 1 in report.slices_per_step
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
+def test_resize_node_removed_then_replacement_joins(nodes, lm_factory, baseline):
+    cluster = nodes(2)
+    steps = 250
+    trainer, report = _run(
+        lm_factory, _config(policy="resize"), steps=steps, faults=(Fault("remove_node", 1, FAIL_AT),),
+        cluster=cluster, on_event=_add_node_on(cluster, "recovered"),
+    )
+    assert report.steps_completed == steps
+    f = report.failures[0]
+    assert f.kind == "node_died" and f.slices_after == 1
+    assert report.slices_per_step[-1] == 2
+
+
+def test_resize_worker_hung(nodes, lm_factory, baseline):
+    nodes(2)
+    trainer, report = _run(lm_factory, _config(policy="resize"), faults=(Fault("stop", 1, FAIL_AT),))
+    f = _common_checks(report, "hung")
+    assert f.slices_after == 1
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
+def test_resize_shrink_mode_drops_lost_shards(nodes, lm_factory, baseline):
+    nodes(2)
+    trainer, report = _run(
+        lm_factory, _config(policy="resize", batch_on_resize="shrink"), faults=(Fault("kill", 1, FAIL_AT),)
+    )
+    _common_checks(report, "process_died")
+    # A smaller global batch takes different steps from the baseline.
+    assert not all(
+        np.array_equal(a, b) for a, b in zip(_leaves(trainer.final_state), _leaves(baseline))
+    )
+
+
+# -- ends of the road ------------------------------------------------------------
+
+
+def test_retry_budget_spent_raises_named_error(nodes, lm_factory):
+    nodes(2)
+    with pytest.raises(RetryBudgetExhausted, match="max_retries") as info:
+        _run(lm_factory, _config(policy="pause", max_retries=0), faults=(Fault("kill", 1, FAIL_AT),))
+    assert info.value.setting == "max_retries"
+
+
+def test_wait_times_out_with_named_error(nodes, lm_factory):
+    cluster = nodes(2)
+    with pytest.raises(ReplacementTimeout, match="timeout_s") as info:
+        _run(
+            lm_factory, _config(policy="pause", timeout_s=3.0),
+            faults=(Fault("remove_node", 1, FAIL_AT),), cluster=cluster,
+        )
+    assert info.value.setting == "timeout_s"
+
+
+def test_invalid_config_fails_before_reserving(cluster, lm_factory):
+    before = len(ray.util.placement_group_table())
+    for bad in (
+        dict(num_slices=2, policy="resize", min_slices=3),
+        dict(num_slices=0),
+        dict(num_slices=2, timeout_s=-1),
+        dict(num_slices=2, policy="elastic"),
+    ):
+        with pytest.raises(ConfigError):
+            ElasticTrainer(lm_factory, ElasticConfig(**bad), 5)
+    with pytest.raises(ConfigError, match="faults"):
+        ElasticTrainer(lm_factory, ElasticConfig(num_slices=2), 5, faults=(Fault("kill", 2, 1),))
+    with pytest.raises(ConfigError, match="steps"):
+        ElasticTrainer(lm_factory, ElasticConfig(num_slices=2), 0)
+    assert len(ray.util.placement_group_table()) == before
