@@ -252,19 +252,32 @@ class ElasticTrainer:
         (no live slice) the newest snapshot, rolling the run back to it."""
         latest = self._snapshots.latest_step()
         if self.live:
-            if latest == self.step:
-                return self._snapshots.restore_source(set(self.live))[1]
+            found = self._snapshots.restore_source(is_node_alive) if latest == self.step else None
+            if found is not None:
+                return found[1]
             donor = self.live[min(self.live)].workers[0]
             return donor.state.remote()
-        if latest is not None:
-            step, source = self._snapshots.restore_source(set())
+        found = self._snapshots.restore_source(is_node_alive)
+        if found is not None:
+            step, source = found
             self._rewind_to(step)
+            self._mark_open(restored_from="snapshot")
             return source
-        # No snapshot survives (snapshots off, or none taken yet): start over.
+        self._mark_open(restored_from="initial")
+        # No snapshot survives (snapshots off, none taken yet, or every copy
+        # lost with its node): start over from the initial state.
+        if self.step > 0:
+            log.warning("no in-memory snapshot survived; restarting from step 0 (%d steps lost)", self.step)
         self._rewind_to(0)
         return None
 
+    def _mark_open(self, restored_from: str) -> None:
+        for rec, _ in self._open:
+            rec.restored_from = restored_from
+
     def _rewind_to(self, step: int) -> None:
+        for rec, _ in self._open:  # failures not yet recovered lose these steps too
+            rec.steps_rewound = max(rec.steps_rewound, rec.step + 1 - step)
         if step < self.step:
             self._event("rewind", from_step=self.step, to_step=step)
         self.step = step
@@ -314,7 +327,7 @@ class ElasticTrainer:
                 issued2.append((s, h, m_ref, lambda make=make: make()[0]))
         metrics = self._gather(issued2, k, deadline)
         for s, ref in state_refs.items():
-            self._snapshots.offer(k + 1, s, ref)
+            self._snapshots.offer(k + 1, s, ref, self.live[s].infos[0]["node_id"])
 
         t_end = self._clock()
         self.step = k + 1
@@ -428,7 +441,7 @@ class ElasticTrainer:
             self.waiting_since = now
             self._event("wait", deadline_s=round(d.deadline - now, 3), step=self.step)
         rec.steps_rewound = f.step + 1 - self.step
-        rec.restored_from = "live" if self.live else "snapshot"
+        rec.restored_from = "live" if self.live else "pending"
         rec.slices_after = len(self.live)
         self._fresh = True
         self._open.append((rec, t_fault))
@@ -456,7 +469,8 @@ class ElasticTrainer:
         target = max(steps) if latest == max(steps) else latest
         if target is None:
             target = min(steps)  # cannot happen with snapshots on; be safe
-        _, source = self._snapshots.restore_source(set(self.live)) if latest is not None else (None, None)
+        found = self._snapshots.restore_source(is_node_alive) if latest is not None else None
+        source = found[1] if found else None
         loads = [
             w.load_state.remote(source)
             for s in order

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -25,6 +25,7 @@ class _Pending:
     step: int
     needed: int
     refs: dict  # slice_id -> ObjectRef
+    nodes: dict = dataclasses.field(default_factory=dict)  # slice_id -> node holding the copy
     pinned: Optional[concurrent.futures.Future] = None
 
 
@@ -39,11 +40,12 @@ class SnapshotStore:
         """A snapshot of `step` is being taken by that many slices."""
         self._pending = _Pending(step, max(1, copies_from_slices), {})
 
-    def offer(self, step: int, slice_id: int, ref: Any) -> None:
+    def offer(self, step: int, slice_id: int, ref: Any, node_id: str = "") -> None:
         p = self._pending
         if p is None or p.step != step:
             return
         p.refs[slice_id] = ref
+        p.nodes[slice_id] = node_id
         if p.needed == 1 and p.pinned is None:
             # One slice only: pin a second copy next to the driver, off the
             # step loop's thread.
@@ -63,10 +65,11 @@ class SnapshotStore:
         self._promote()
         return None if self._complete is None else self._complete.step
 
-    def restore_source(self, intact_slices) -> Optional[tuple[int, Any]]:
+    def restore_source(self, node_alive: Callable[[str], bool]) -> Optional[tuple[int, Any]]:
         """(step, object) to load the newest complete snapshot from.
 
-        Prefers a copy held by a slice that is still intact; falls back to
+        Takes a copy on a node that is still alive (a killed worker process
+        leaves its node's object store, and the copy, intact); falls back to
         the driver's pinned copy. None if no complete snapshot survives.
         """
         self._promote()
@@ -74,14 +77,11 @@ class SnapshotStore:
         if c is None:
             return None
         for slice_id, ref in c.refs.items():
-            if slice_id in intact_slices:
+            if node_alive(c.nodes.get(slice_id, "")):
                 return c.step, ref
         if self._pinned_value is not None:
             return c.step, self._pinned_value
-        # Copies on slices that failed may still be readable (a killed
-        # process leaves its node's object store intact); the caller's load
-        # fails over if not.
-        return c.step, next(iter(c.refs.values()))
+        return None
 
     def wait_pinned(self, timeout: float) -> None:
         p = self._pending

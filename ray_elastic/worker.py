@@ -84,7 +84,8 @@ class SliceWorker:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
         if coordinator is not None:
-            if jax.default_backend() == "cpu" or os.environ.get("JAX_PLATFORMS") == "cpu":
+            # Asking JAX for its backend here would start it too early.
+            if os.environ.get("JAX_PLATFORMS", "") == "cpu":
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")
             jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
