@@ -235,7 +235,9 @@ class ElasticTrainer:
                 refs += [w.load_state.remote(source) for w in self.ready[s].workers]
         try:
             ray.get(refs, timeout=max(30.0, self.config.first_step_deadline_s))
-        except (rex.RayActorError, rex.ObjectLostError, rex.GetTimeoutError) as e:
+        except (rex.RayActorError, rex.ObjectLostError, rex.GetTimeoutError, rex.RayTaskError) as e:
+            if isinstance(e, (rex.RayTaskError, rex.ObjectLostError)):
+                self._snapshots.discard_latest()  # that copy is unusable
             log.warning("slices %s failed while loading state (%s); re-queued", new, e)
             for s in new:
                 RaySlices.kill(self.ready.pop(s).workers)
@@ -309,25 +311,26 @@ class ElasticTrainer:
         grad_refs = [ref for s, h, ref, _ in issued if h == 0]
         del grads  # only the refs travel; workers fetch them directly
 
-        every = self.config.snapshot_every
-        snapshotters = sorted(self.live)[:2] if every and (k + 1) % every == 0 else []
-        if snapshotters:
-            self._snapshots.expect(k + 1, len(snapshotters))
-        issued2, state_refs = [], {}
+        takers = self._snapshot_takers(k + 1)
+        issued2, snaps = [], {}
         for s, sl in sorted(self.live.items()):
             for h, w in enumerate(sl.workers):
-                snap = h == 0 and s in snapshotters
+                take = h == 0 and s in takers
 
-                def make(w=w, snap=snap):
-                    return w.apply.options(num_returns=2).remote(k, snap, *grad_refs)
+                def call(w=w, take=take):
+                    return w.apply.options(num_returns=2).remote(k, take, *grad_refs)
 
-                m_ref, st_ref = make()
-                if snap:
-                    state_refs[s] = st_ref
-                issued2.append((s, h, m_ref, lambda make=make: make()[0]))
+                m_ref, snap_ref = call()
+                if take:
+                    snaps[s] = snap_ref
+                issued2.append((s, h, m_ref, lambda call=call: call()[0]))
         metrics = self._gather(issued2, k, deadline)
-        for s, ref in state_refs.items():
+        for s, ref in snaps.items():
             self._snapshots.offer(k + 1, s, ref, self.live[s].infos[0]["node_id"])
+        if len(snaps) == 1:
+            # One live slice: no other failure domain holds the state until
+            # the driver's pinned copy lands, so wait for it.
+            self._snapshots.wait_pinned(timeout=self._deadline_s())
 
         t_end = self._clock()
         self.step = k + 1
@@ -348,6 +351,16 @@ class ElasticTrainer:
         self._open.clear()
         if self._on_step is not None:
             self._on_step(self.step, loss, len(self.live))
+
+    def _snapshot_takers(self, step: int) -> list[int]:
+        """The slices whose reply to this step carries a snapshot: two, so
+        that the copies sit in two failure domains."""
+        every = self.config.snapshot_every
+        if not every or step % every:
+            return []
+        takers = sorted(self.live)[:2]
+        self._snapshots.expect(step, len(takers))
+        return takers
 
     def _gather(self, issued: list, k: int, deadline: float) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice."""

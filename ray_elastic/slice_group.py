@@ -94,7 +94,9 @@ class RaySlices:
         opts: dict[str, Any] = {
             "num_cpus": bundle.pop("CPU", 0),
             "max_restarts": 0,
-            "max_concurrency": 2,  # lets a liveness ping pass a running step
+            # A snapshot, the next step's gradient phase and a liveness ping
+            # may all be running at once.
+            "max_concurrency": 3,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host
             ),

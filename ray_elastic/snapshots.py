@@ -56,6 +56,10 @@ class SnapshotStore:
         p = self._pending
         if p is None or len(p.refs) < p.needed:
             return
+        refs = list(p.refs.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        if len(ready) < len(refs):
+            return  # still being copied
         if p.pinned is not None and (not p.pinned.done() or p.pinned.exception() is not None):
             return
         self._pinned_value = p.pinned.result() if p.pinned is not None else None
@@ -82,6 +86,11 @@ class SnapshotStore:
         if self._pinned_value is not None:
             return c.step, self._pinned_value
         return None
+
+    def discard_latest(self) -> None:
+        """Forget the newest snapshot (it failed to load)."""
+        self._complete = None
+        self._pinned_value = None
 
     def wait_pinned(self, timeout: float) -> None:
         p = self._pending

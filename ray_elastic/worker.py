@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -55,6 +56,10 @@ class SliceWorker:
         self._num_shards = num_shards
         self._step = -1  # step of the state held; -1 before any
         self._last_apply: Optional[dict] = None
+        # `state` may be called (by a joining slice's donor) on a second
+        # actor thread: the lock keeps `apply` from replacing the state
+        # while it is being copied.
+        self._state_lock = threading.Lock()
 
     # -- set-up -----------------------------------------------------------
 
@@ -124,6 +129,14 @@ class SliceWorker:
             .lower(params, opt_state, params)
             .compile()
         )
+        from jax.flatten_util import ravel_pytree
+
+        _, self._unravel = ravel_pytree((params, opt_state))
+        self._flatten = (
+            jax.jit(lambda p, o: ravel_pytree((p, o))[0], out_shardings=self._replicated)
+            .lower(params, opt_state)
+            .compile()
+        )
         self.params, self.opt_state = params, opt_state
         self._step = 0
         return {"setup_s": time.perf_counter() - t0, "devices": len(jax.devices())}
@@ -166,11 +179,19 @@ class SliceWorker:
     def apply(self, step: int, snapshot: bool, *shard_results: Optional[dict]):
         """Phase 2: apply the mean of all shard gradients, in shard order.
 
-        Returns (metrics, snapshot-or-None). Idempotent for a step already
-        applied, so the controller can re-issue it after a transient error.
+        Returns (metrics, snapshot or None). The snapshot rides on the
+        step's own reply, so a step is never reported complete before its
+        snapshot is sealed in the object store: a failure at any moment
+        finds the state of the last completed step. Idempotent for a step
+        already applied, so the controller can re-issue it.
         """
+        with self._state_lock:
+            metrics = self._apply(step, shard_results)
+            return metrics, (self.flat_state() if snapshot else None)
+
+    def _apply(self, step: int, shard_results: tuple) -> dict:
         if self._step == step + 1 and self._last_apply is not None:
-            return self._last_apply, (self.state() if snapshot else None)
+            return self._last_apply
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked to apply {step}")
         grads, losses = {}, {}
@@ -191,7 +212,7 @@ class SliceWorker:
             "shards": len(order),
         }
         self._last_apply = metrics
-        return metrics, (self.state() if snapshot else None)
+        return metrics
 
     # -- state -------------------------------------------------------------
 
@@ -199,9 +220,20 @@ class SliceWorker:
         value = np.asarray(value)
         return self._jax.make_array_from_callback(value.shape, self._replicated, lambda idx: value[idx])
 
+    def flat_state(self) -> dict:
+        """The state as one host buffer (a jitted ravel: one copy, not one
+        per leaf); `load_state` takes it back."""
+        flat = self._flatten(self.params, self.opt_state)  # a fresh buffer: no copy needed
+        return {"step": self._step, "flat": np.asarray(flat.addressable_data(0))}
+
     def state(self) -> dict:
-        """The training state as host numpy arrays (for snapshots)."""
-        host = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731 (replicated)
+        """The training state as host numpy arrays (copies: the device
+        buffers are donated to the next update)."""
+        with self._state_lock:
+            return self._state()
+
+    def _state(self) -> dict:
+        host = lambda a: np.array(a.addressable_data(0), copy=True)  # noqa: E731 (replicated)
         return {
             "step": self._step,
             "params": self._jax.tree.map(host, self.params),
@@ -209,10 +241,14 @@ class SliceWorker:
         }
 
     def load_state(self, state: dict) -> int:
-        self.params = self._jax.tree.map(self._replicate, state["params"])
-        self.opt_state = self._jax.tree.map(self._replicate, state["opt_state"])
-        self._step = int(state["step"])
-        self._last_apply = None
+        if "flat" in state:
+            params, opt_state = self._unravel(state["flat"])
+            state = {"step": state["step"], "params": params, "opt_state": opt_state}
+        with self._state_lock:
+            self.params = self._jax.tree.map(self._replicate, state["params"])
+            self.opt_state = self._jax.tree.map(self._replicate, state["opt_state"])
+            self._step = int(state["step"])
+            self._last_apply = None
         return self._step
 
     def held_step(self) -> int:
