@@ -18,11 +18,12 @@ import os
 import statistics
 import time
 import uuid
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import ray
 from ray import exceptions as rex
 
+from ray_elastic.callbacks import Callback, FunctionCallback
 from ray_elastic.config import ElasticConfig
 from ray_elastic.data import assign_shards
 from ray_elastic.errors import ElasticError, FailureKind, RunFailed, SliceFailure
@@ -51,6 +52,7 @@ class ElasticTrainer:
         (step, loss, live slice count).
     on_event: called in the driver's main thread with each timeline event
         (a dict with "t" and "event"), e.g. to add a replacement node.
+    callbacks: `Callback` objects (progress, metrics, event logs).
     keep_final_state: fetch the final training state (host numpy arrays)
         into `self.final_state` before the workers are torn down.
     """
@@ -65,6 +67,7 @@ class ElasticTrainer:
         on_step: Optional[Callable[[int, float, int], None]] = None,
         on_event: Optional[Callable[[dict], None]] = None,
         keep_final_state: bool = False,
+        callbacks: Sequence[Callback] = (),
         clock: Callable[[], float] = time.monotonic,
     ):
         if not isinstance(steps, int) or steps < 1:
@@ -80,8 +83,9 @@ class ElasticTrainer:
         self.steps = steps
         self._factory = program_factory
         self._injector = FaultInjector(list(faults), remove_node)
-        self._on_step = on_step
-        self._on_event = on_event
+        self._callbacks = list(callbacks)
+        if on_step is not None or on_event is not None:
+            self._callbacks.append(FunctionCallback(on_step, on_event))
         self._keep_final_state = keep_final_state
         self.final_state: Optional[dict] = None
         self._clock = clock
@@ -106,6 +110,8 @@ class ElasticTrainer:
             ray.init()
         r = self.report
         r.driver_pid_start = os.getpid()
+        for cb in self._callbacks:
+            cb.on_start(self)
         self._t0 = self._clock()
         self._slices = RaySlices(
             self.config.slice, self._factory, self.config.seed, self.config.num_slices,
@@ -133,6 +139,8 @@ class ElasticTrainer:
             r.productive_s = sum(self._step_durations[: self.step])
             self._event("end", steps=self.step)
             self._shutdown()
+            for cb in self._callbacks:
+                cb.on_end(r)
         return r
 
     # -- membership -------------------------------------------------------
@@ -140,8 +148,8 @@ class ElasticTrainer:
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
         self.report.events.append(event)
-        if self._on_event is not None:
-            self._on_event(event)
+        for cb in self._callbacks:
+            cb.on_event(event)
 
     def _view(self) -> SlicesView:
         return SlicesView(
@@ -349,8 +357,9 @@ class ElasticTrainer:
             rec.slices_after = len(self.live)
             self._event("recovered", slice=rec.slice, step=self.step, recovered_s=rec.recovered_s)
         self._open.clear()
-        if self._on_step is not None:
-            self._on_step(self.step, loss, len(self.live))
+        step_metrics = {"loss": loss, "slices": len(self.live), "step_s": t_end - t_start}
+        for cb in self._callbacks:
+            cb.on_step(self.step, step_metrics)
 
     def _snapshot_takers(self, step: int) -> list[int]:
         """The slices whose reply to this step carries a snapshot: two, so
