@@ -2,12 +2,18 @@
 
     ray-elastic demo [--policy resize|pause] [--slices N] [--steps N]
                      [--fail-at STEP] [--fault remove_node|kill|stop]
-                     [--report FILE]
+                     [--report FILE] [--events FILE]
+    ray-elastic timeline EVENTS.jsonl [-o OUT.png]
+    ray-elastic timeline --report REPORT.json [-o OUT.png]
 
 `demo` starts a real multi-node Ray cluster on this machine (one simulated
 node per host), trains the example transformer LM, injects a fault into a
 slice mid-run, recovers by the chosen policy, adds a replacement node when a
-node was lost, and prints the run's timeline and loss.
+node was lost, and prints the run's timeline and loss (in a terminal, with a
+live progress line). Its metrics go to Ray's metrics system
+(`ray_elastic.metrics`); `--events` writes the timeline as JSON lines.
+
+`timeline` draws a run's events file or report as a PNG.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ def _example_lm():
 
 def _demo(args: argparse.Namespace) -> int:
     from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault, RunFailed
+    from ray_elastic.events import EventLog
     from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.metrics import MetricsCallback
+    from ray_elastic.progress import ProgressCallback
 
     config = ElasticConfig(
         num_slices=args.slices,
@@ -63,10 +72,19 @@ def _demo(args: argparse.Namespace) -> int:
     print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", flush=True)
 
     lost_node = {"pending": False}
+    # In a terminal a live progress line shows the run and prints the events
+    # above it; elsewhere (logs, CI) the plain lines below do.
+    live = sys.stdout.isatty()
+    callbacks = [MetricsCallback(f"demo-{os.getpid()}")]
+    if live:
+        callbacks.append(ProgressCallback(args.steps, stream=sys.stdout, events="all"))
+    if args.events:
+        callbacks.append(EventLog(args.events))
 
     def on_event(e: dict) -> None:
         name = e["event"]
-        print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), flush=True)
+        if not live:
+            print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), flush=True)
         if name == "detected" and e["kind"] in ("node_died", "preempted"):
             lost_node["pending"] = True
         # A replacement node joins: at once when paused, and after the first
@@ -74,16 +92,17 @@ def _demo(args: argparse.Namespace) -> int:
         trigger = "wait" if args.policy == "pause" else "recovered"
         if name == trigger and lost_node["pending"]:
             lost_node["pending"] = False
-            print("  adding a replacement node to the cluster", flush=True)
+            if not live:
+                print("  adding a replacement node to the cluster", flush=True)
             cluster.add_node()
 
     def on_step(step: int, loss: float, slices: int) -> None:
-        if step % args.log_every == 0 or step == args.steps:
+        if not live and (step % args.log_every == 0 or step == args.steps):
             print(f"step {step:5d}/{args.steps}  loss {loss:.4f}  slices {slices}", flush=True)
 
     trainer = ElasticTrainer(
         factory, config, args.steps, faults=faults, remove_node=cluster.remove_node,
-        on_step=on_step, on_event=on_event,
+        on_step=on_step, on_event=on_event, callbacks=callbacks,
     )
     try:
         report = trainer.fit()
@@ -109,7 +128,28 @@ def _demo(args: argparse.Namespace) -> int:
     if args.report:
         report.write(args.report)
         print(f"  report written to {args.report}")
+    if args.events:
+        print(f"  events written to {args.events} (draw them: ray-elastic timeline {args.events})")
     return rc
+
+
+def _timeline(args: argparse.Namespace) -> int:
+    from ray_elastic.timeline import TimelineInputError, main_timeline
+
+    if (args.events is None) == (args.report is None):
+        print("ray-elastic timeline: give an events file or --report REPORT.json (one of them)", file=sys.stderr)
+        return 2
+    path = args.events if args.events is not None else args.report
+    try:
+        out = main_timeline(path, args.output, kind="report" if args.report is not None else None, title=args.title)
+    except TimelineInputError as e:
+        print(f"ray-elastic timeline: error: {e}", file=sys.stderr)
+        return 1
+    except ImportError as e:
+        print(f"ray-elastic timeline: error: needs matplotlib ({e}); pip install matplotlib", file=sys.stderr)
+        return 1
+    print(out)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,10 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--hang-floor", type=float, default=10.0, help="step_deadline_floor_s")
     demo.add_argument("--log-every", type=int, default=50)
     demo.add_argument("--report", default=None, help="write the run report as JSON here")
+    demo.add_argument("--events", default=None, help="write the timeline as JSON lines here, as it happens")
+    tl = sub.add_parser("timeline", help="draw a run's events file or report as a PNG")
+    tl.add_argument("events", nargs="?", default=None, help="events file (JSON lines, from demo --events / EventLog)")
+    tl.add_argument("--report", default=None, help="a run report JSON (demo --report) instead of an events file")
+    tl.add_argument("-o", "--output", default=None, help="PNG to write (default: the input's name with .png)")
+    tl.add_argument("--title", default=None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":
         return _demo(args)
+    if args.command == "timeline":
+        return _timeline(args)
     return 2
 
 

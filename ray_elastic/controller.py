@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import statistics
+import threading
 import time
 import uuid
 from typing import Callable, Optional, Sequence
@@ -23,10 +25,13 @@ from typing import Callable, Optional, Sequence
 import ray
 from ray import exceptions as rex
 
+from ray_elastic import drain
 from ray_elastic.callbacks import Callback, FunctionCallback
+from ray_elastic.checkpointing import CheckpointCoordinator
+from ray_elastic.checkpoints import CheckpointConfig
 from ray_elastic.config import ElasticConfig
 from ray_elastic.data import assign_shards
-from ray_elastic.errors import ElasticError, FailureKind, RunFailed, SliceFailure
+from ray_elastic.errors import ElasticError, FailureKind, RunFailed, SliceFailure, SlicePreempted
 from ray_elastic.failures import TRANSIENT, classify, failure, is_node_alive
 from ray_elastic.faults import Fault, FaultInjector
 from ray_elastic.policy import Continue, Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
@@ -53,6 +58,8 @@ class ElasticTrainer:
     on_event: called in the driver's main thread with each timeline event
         (a dict with "t" and "event"), e.g. to add a replacement node.
     callbacks: `Callback` objects (progress, metrics, event logs).
+    checkpoint: durable Orbax checkpoints (CheckpointConfig); with one, a
+        new run on the same path resumes from its newest committed step.
     keep_final_state: fetch the final training state (host numpy arrays)
         into `self.final_state` before the workers are torn down.
     """
@@ -68,6 +75,7 @@ class ElasticTrainer:
         on_event: Optional[Callable[[dict], None]] = None,
         keep_final_state: bool = False,
         callbacks: Sequence[Callback] = (),
+        checkpoint: Optional[CheckpointConfig] = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         if not isinstance(steps, int) or steps < 1:
@@ -101,6 +109,14 @@ class ElasticTrainer:
         self._step_durations: list[float] = []  # of kept steps, by step index
         self._open: list[tuple[FailureRecord, float]] = []  # awaiting recovery
         self._snapshots = SnapshotStore()
+        self._run_name = f"ray_elastic-{uuid.uuid4().hex[:6]}"
+        self._ckpt: Optional[CheckpointCoordinator] = None
+        if checkpoint is not None:
+            self._ckpt = CheckpointCoordinator(
+                checkpoint, {"seed": config.seed, "num_slices": config.num_slices}, self._event
+            )
+        self._preempt_reason: Optional[str] = None
+        self._drain_checked = 0.0
         self._t0 = 0.0
 
     # -- public -----------------------------------------------------------
@@ -113,31 +129,52 @@ class ElasticTrainer:
         for cb in self._callbacks:
             cb.on_start(self)
         self._t0 = self._clock()
+        # Storage is checked, and a cold start found, before any slice is
+        # reserved.
+        resume_from = self._ckpt.preflight() if self._ckpt else None
         self._slices = RaySlices(
             self.config.slice, self._factory, self.config.seed, self.config.num_slices,
-            run_name=f"ray_elastic-{uuid.uuid4().hex[:6]}",
+            run_name=self._run_name,
             compile_cache_dir=self.config.compile_cache_dir,
         )
+        previous_sigterm = self._catch_sigterm()
         try:
             self._start()
+            if self._ckpt:
+                self._ckpt.set_template(self.live[min(self.live)].workers[0])
+                if resume_from is not None:
+                    self._cold_start(resume_from)
             while self.step < self.steps:
+                if self._preempt_reason:
+                    self._stop_for_preemption()
+                    break
+                self._check_drains()
                 if not self._advance_membership():
                     continue
                 try:
                     self._take_step()
                 except SliceFailure as f:
                     self._recover(f)
-            if self._keep_final_state:
+                    continue
+                self._after_step()
+            else:
+                self._final_checkpoint()
+            if self._keep_final_state and self.live:
                 self.final_state = ray.get(self.live[min(self.live)].workers[0].state.remote())
         except RunFailed as e:
             r.error = str(e)
+            r.outcome = "failed"
             raise
         finally:
+            if previous_sigterm is not None:
+                signal.signal(signal.SIGTERM, previous_sigterm)
+            if self._ckpt:
+                r.checkpoints = list(self._ckpt.saves)
             r.driver_pid_end = os.getpid()
             r.wall_s = self._clock() - self._t0
             r.steps_completed = self.step
             r.productive_s = sum(self._step_durations[: self.step])
-            self._event("end", steps=self.step)
+            self._event("end", steps=self.step, outcome=r.outcome)
             self._shutdown()
             for cb in self._callbacks:
                 cb.on_end(r)
@@ -268,10 +305,18 @@ class ElasticTrainer:
             donor = self.live[min(self.live)].workers[0]
             return donor.state.remote()
         found = self._snapshots.restore_source(is_node_alive)
+        durable = self._ckpt.latest_committed() if self._ckpt else None
+        if durable is not None and (found is None or durable > found[0]):
+            # The newest of the in-memory snapshot and the committed checkpoint.
+            self._rewind_to(durable)
+            self._mark_open(restored_from="checkpoint")
+            self._event("restore", source="checkpoint", step=durable)
+            return self._ckpt.restore_ref(durable)
         if found is not None:
             step, source = found
             self._rewind_to(step)
             self._mark_open(restored_from="snapshot")
+            self._event("restore", source="snapshot", step=step)
             return source
         self._mark_open(restored_from="initial")
         # No snapshot survives (snapshots off, none taken yet, or every copy
@@ -365,11 +410,106 @@ class ElasticTrainer:
         """The slices whose reply to this step carries a snapshot: two, so
         that the copies sit in two failure domains."""
         every = self.config.snapshot_every
-        if not every or step % every:
+        due = (every and step % every == 0) or self._checkpoint_due(step)
+        if not due:
             return []
         takers = sorted(self.live)[:2]
         self._snapshots.expect(step, len(takers))
         return takers
+
+    # -- checkpoints and preemption ------------------------------------------------
+
+    def _checkpoint_due(self, step: int) -> bool:
+        c = self._ckpt
+        if c is None:
+            return False
+        if c.config.due(step):
+            return True
+        return c.config.continuous and not c.busy() and step > (c.last_saved or 0)
+
+    def _cold_start(self, step: int) -> None:
+        """Resume a new run from the newest committed checkpoint."""
+        ref = self._ckpt.restore_ref(step)
+        loads = [w.load_state.remote(ref) for sl in self.live.values() for w in sl.workers]
+        ray.get(loads, timeout=max(60.0, self.config.first_step_deadline_s))
+        self.step = step
+        self._step_durations = [0.0] * step  # steps done by an earlier run
+        r = self.report
+        r.resumed_from = step
+        r.losses = [float("nan")] * step
+        r.step_times = [0.0] * step
+        r.slices_per_step = [0] * step
+        self._event("restore", source="checkpoint", step=step, cold_start=True)
+
+    def _current_snapshot(self):
+        """A ref to the state of `self.step` (the newest snapshot if it is
+        current, else a copy asked from a live slice)."""
+        found = self._snapshots.restore_source(is_node_alive)
+        if found is not None and found[0] == self.step:
+            return found[1]
+        return self.live[min(self.live)].workers[0].state.remote()
+
+    def _after_step(self) -> None:
+        c = self._ckpt
+        if c is None:
+            return
+        c.poll()
+        if c.must_stop():
+            raise c.fail_with_rescue(self.step, self._current_snapshot(), self._run_name)
+        if not c.busy() and self._checkpoint_due(self.step):
+            c.submit(self.step, self._current_snapshot())
+
+    def _final_checkpoint(self) -> None:
+        c = self._ckpt
+        if c is None or not c.config.save_at_end or not self.live:
+            return
+        if not c.save_now(self.step, self._current_snapshot(), timeout_s=300.0):
+            raise c.fail_with_rescue(self.step, self._current_snapshot(), self._run_name)
+
+    def _catch_sigterm(self):
+        """SIGTERM to the driver (a preemption, a cancelled job): finish the
+        step in flight, checkpoint it, exit cleanly."""
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def handler(signum, frame):
+            self._preempt_reason = "SIGTERM to the driver"
+
+        return signal.signal(signal.SIGTERM, handler)
+
+    def _stop_for_preemption(self) -> None:
+        self._event("preempted", reason=self._preempt_reason, step=self.step)
+        saved = False
+        if self._ckpt is not None and self.live:
+            saved = self._ckpt.save_now(self.step, self._current_snapshot(), timeout_s=60.0)
+        self.report.outcome = "preempted"
+        self._event("preempt_saved" if saved else "preempt_unsaved", step=self.step)
+
+    def _check_drains(self, every_s: float = 0.5) -> None:
+        """A Ray drain notice for a node of a live slice (preemption with a
+        deadline): checkpoint the last completed step before the deadline,
+        then take the slice out at this step boundary, losing no step."""
+        now = self._clock()
+        if now - self._drain_checked < every_s or not self.live:
+            return
+        self._drain_checked = now
+        draining = drain.draining_nodes()
+        if not draining:
+            return
+        for s, sl in sorted(self.live.items()):
+            hit = [(h, i["node_id"]) for h, i in enumerate(sl.infos) if i["node_id"] in draining]
+            if not hit:
+                continue
+            h, node = hit[0]
+            deadline_ms = draining[node]
+            left = (deadline_ms / 1000.0 - time.time()) if deadline_ms else 60.0
+            self._event("drain_notice", slice=s, host=h, deadline_s=round(left, 3), step=self.step)
+            if self._ckpt is not None:
+                t0 = self._clock()
+                ok = self._ckpt.save_now(self.step, self._current_snapshot(), timeout_s=max(1.0, left - 1.0))
+                self._event("preempt_saved" if ok else "preempt_unsaved", step=self.step, seconds=round(self._clock() - t0, 3))
+            self._recover(SlicePreempted(s, h, self.step, f"node {node[:8]} drained for preemption"), in_flight=False)
+            return
 
     def _gather(self, issued: list, k: int, deadline: float) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice."""
@@ -430,7 +570,7 @@ class ElasticTrainer:
 
     # -- recovery -----------------------------------------------------------
 
-    def _recover(self, f: SliceFailure) -> None:
+    def _recover(self, f: SliceFailure, in_flight: bool = True) -> None:
         now = self._clock()
         fired = self._injector.last_for(f.slice_id)
         t_fault = now  # no injected fault: measure from the first sign of it
@@ -462,7 +602,7 @@ class ElasticTrainer:
         elif isinstance(d, Wait) and self.waiting_since is None:
             self.waiting_since = now
             self._event("wait", deadline_s=round(d.deadline - now, 3), step=self.step)
-        rec.steps_rewound = f.step + 1 - self.step
+        rec.steps_rewound = (f.step + 1 if in_flight else f.step) - self.step
         rec.restored_from = "live" if self.live else "pending"
         rec.slices_after = len(self.live)
         self._fresh = True
@@ -521,6 +661,8 @@ class ElasticTrainer:
         for p in self.coming.values():
             RaySlices.kill(p.workers)
         self._snapshots.close()
+        if self._ckpt is not None:
+            self._ckpt.shutdown()
         self._slices.shutdown()
 
 

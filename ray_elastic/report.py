@@ -39,6 +39,9 @@ class RunReport:
     step_times: list[float] = dataclasses.field(default_factory=list)
     slices_per_step: list[int] = dataclasses.field(default_factory=list)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    outcome: str = "completed"  # completed | preempted | failed
+    resumed_from: Optional[int] = None  # checkpoint step a cold start resumed from
+    checkpoints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     error: str = ""
 
     @property

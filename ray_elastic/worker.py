@@ -241,7 +241,7 @@ class SliceWorker:
         }
 
     def load_state(self, state: dict) -> int:
-        if "flat" in state:
+        if "flat" in state:  # an in-memory snapshot
             params, opt_state = self._unravel(state["flat"])
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
         with self._state_lock:
@@ -250,6 +250,11 @@ class SliceWorker:
             self._step = int(state["step"])
             self._last_apply = None
         return self._step
+
+    def state_template(self) -> dict:
+        """The state's tree of shapes and dtypes (for checkpoints)."""
+        spec = lambda a: self._jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+        return {"params": self._jax.tree.map(spec, self.params), "opt_state": self._jax.tree.map(spec, self.opt_state)}
 
     def held_step(self) -> int:
         return self._step

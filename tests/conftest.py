@@ -54,3 +54,15 @@ def lm_factory():
     import examples.lm as lm
 
     return functools.partial(lm.make_program, lm.LMConfig())
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """A real GCS-compatible server on loopback, with Orbax pointed at it."""
+    from ray_elastic.testing import FakeGcs
+
+    server = FakeGcs().start()
+    server.point_env()
+    server.make_bucket("ckpt")
+    yield server
+    server.stop()

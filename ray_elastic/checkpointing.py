@@ -1,0 +1,206 @@
+"""The driver's side of durable checkpoints: one writer actor, at most one
+save in flight, and what to do when a save fails.
+
+Saves never block the step loop: the controller hands over a snapshot
+already in the object store and polls the result at step boundaries. A
+writer that dies mid-write is replaced and its half-written step swept
+aside; a storage error is retried with backoff inside the writer; after
+`max_failed_saves` failed saves in a row the newest state is rescued to
+local disk and the run stops with an error naming both places.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Callable, Optional
+
+import ray
+from ray import exceptions as rex
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from ray_elastic.checkpoints import (
+    STORAGE_ENV,
+    CheckpointConfig,
+    CheckpointStorageFailed,
+    CheckpointStore,
+    CheckpointWriter,
+    StorageError,
+)
+from ray_elastic.errors import ConfigError
+
+__all__ = ["CheckpointCoordinator"]
+
+log = logging.getLogger("ray_elastic")
+
+_RemoteWriter = ray.remote(CheckpointWriter)
+
+
+class CheckpointCoordinator:
+    def __init__(self, config: CheckpointConfig, run_facts: dict, emit: Callable[..., None]):
+        self.config = config
+        self.facts = run_facts  # seed, num_slices: must match on restore
+        self._emit = emit
+        self.store = CheckpointStore(config.path, keep=config.keep, retries=config.storage_retries, backoff_s=config.retry_backoff_s)
+        self._writer = None
+        self._template_ref = None
+        self._inflight: Optional[tuple[int, Any, float]] = None  # step, ref, t0
+        self.failed_in_a_row = 0
+        self.last_saved: Optional[int] = None
+        self.saves: list[dict] = []
+
+    # -- before anything is reserved ------------------------------------------
+
+    def preflight(self) -> Optional[int]:
+        """Check the storage, sweep incomplete steps, and return the step a
+        cold start resumes from (None: fresh run). Raises before any
+        cluster resource is taken."""
+        try:
+            self.store.preflight()
+            self.store.sweep()
+            latest = self.store.latest_committed()
+        except StorageError as e:
+            raise ConfigError("checkpoint.path", str(e)) from None
+        if latest is None:
+            return None
+        meta = self.store.read_meta(latest)
+        for key, value in self.facts.items():
+            if key in meta and meta[key] != value:
+                raise ConfigError(
+                    key,
+                    f"the checkpoint at {self.config.path} (step {latest}) was written with "
+                    f"{key}={meta[key]}, this run has {key}={value}; resuming would not see "
+                    f"the same data. Set {key}={meta[key]} or use a new checkpoint.path.",
+                )
+        self.last_saved = latest
+        return latest
+
+    # -- the writer --------------------------------------------------------------
+
+    def _writer_handle(self):
+        if self._writer is None:
+            env = {k: os.environ[k] for k in STORAGE_ENV if k in os.environ}
+            self._writer = _RemoteWriter.options(
+                num_cpus=0,
+                max_concurrency=2,
+                # Next to the driver: it shares the driver's fate anyway,
+                # and never competes with a slice for its node.
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+                runtime_env={"env_vars": env},
+            ).remote(self.config.path, self.config.keep, self.config.storage_retries, self.config.retry_backoff_s)
+        return self._writer
+
+    def writer_pid(self) -> int:
+        return ray.get(self._writer_handle().pid.remote())
+
+    def set_template(self, worker) -> None:
+        """Learn the state's tree structure once, kept on the driver's node."""
+        if self._template_ref is None:
+            self._template_ref = ray.put(ray.get(worker.state_template.remote()))
+
+    # -- restore ----------------------------------------------------------------
+
+    def restore_ref(self, step: Optional[int] = None):
+        """An object ref that resolves to the state of a committed step."""
+        return self._writer_handle().restore.remote(step, self._template_ref)
+
+    def latest_committed(self) -> Optional[int]:
+        try:
+            return self.store.latest_committed()
+        except Exception as e:  # storage down: no checkpoint to offer
+            log.warning("checkpoint: cannot list %s: %s", self.config.path, e)
+            return None
+
+    # -- saving -----------------------------------------------------------------
+
+    def busy(self) -> bool:
+        return self._inflight is not None
+
+    def submit(self, step: int, snapshot_ref) -> None:
+        meta = {**self.facts, "step": step, "time": time.time()}
+        ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta)
+        self._inflight = (step, ref, time.monotonic())
+        self._emit("checkpoint_started", step=step)
+
+    def poll(self, block_s: float = 0.0) -> None:
+        """Settle the save in flight if it has finished."""
+        if self._inflight is None:
+            return
+        step, ref, t0 = self._inflight
+        done, _ = ray.wait([ref], timeout=block_s)
+        if not done:
+            return
+        self._inflight = None
+        try:
+            info = ray.get(ref)
+        except rex.RayActorError as e:
+            self._writer = None  # replaced on next use; its half-written step is swept then
+            self._failed(step, f"the checkpoint writer died during the write ({type(e).__name__})")
+            return
+        except (rex.ObjectLostError, rex.OwnerDiedError) as e:
+            self._emit("checkpoint_failed", step=step, reason=f"snapshot lost before it was written: {type(e).__name__}")
+            return
+        except rex.RayTaskError as e:
+            cause = e.cause if isinstance(getattr(e, "cause", None), Exception) else e
+            self._failed(step, str(cause).splitlines()[0][:300])
+            return
+        self.failed_in_a_row = 0
+        self.last_saved = step
+        info["latency_s"] = time.monotonic() - t0
+        self.saves.append(info)
+        self._emit("checkpoint_saved", step=step, seconds=round(info["seconds"], 4), bytes=info["bytes"])
+
+    def _failed(self, step: int, reason: str) -> None:
+        self.failed_in_a_row += 1
+        self._emit("checkpoint_failed", step=step, reason=reason, in_a_row=self.failed_in_a_row)
+        log.warning("checkpoint of step %d failed: %s", step, reason)
+
+    def must_stop(self) -> bool:
+        return self.failed_in_a_row >= self.config.max_failed_saves
+
+    def save_now(self, step: int, snapshot_ref, timeout_s: float) -> bool:
+        """Save and wait for the commit (preemption, end of run)."""
+        deadline = time.monotonic() + timeout_s
+        while self._inflight is not None and time.monotonic() < deadline:
+            self.poll(block_s=min(0.5, max(0.0, deadline - time.monotonic())))
+        if self.last_saved == step:
+            return True
+        self.submit(step, snapshot_ref)
+        while self._inflight is not None and time.monotonic() < deadline:
+            self.poll(block_s=min(0.5, max(0.0, deadline - time.monotonic())))
+        return self.last_saved == step
+
+    def rescue(self, step: int, snapshot_ref, run_name: str) -> str:
+        """Write the newest state to local disk when the storage keeps
+        failing, so nothing trained is lost silently."""
+        from ray_elastic.checkpoints import unflatten
+
+        folder = os.path.join(self.config.rescue_dir, run_name)
+        snapshot = ray.get(snapshot_ref)
+        template = ray.get(self._template_ref)
+        state = unflatten(snapshot["flat"], template) if "flat" in snapshot else {
+            "params": snapshot["params"], "opt_state": snapshot["opt_state"]}
+        CheckpointStore(folder, keep=1, retries=1).save(step, state, {**self.facts, "step": step})
+        return folder
+
+    def fail_with_rescue(self, step: int, snapshot_ref, run_name: str) -> CheckpointStorageFailed:
+        try:
+            where = self.rescue(step, snapshot_ref, run_name)
+            kept = f"The state of step {step} was saved to {where} (Orbax; resume by pointing checkpoint.path there)."
+        except Exception as e:  # pragma: no cover - both storages down
+            kept = f"Rescuing the state to {self.config.rescue_dir} failed too: {e}."
+        return CheckpointStorageFailed(
+            f"{self.failed_in_a_row} checkpoint saves in a row to {self.config.path} failed "
+            f"(last: {self.saves[-1] if self.saves else 'none succeeded'}). {kept} Fix the storage "
+            "or change checkpoint.path; raise checkpoint.max_failed_saves to tolerate longer outages.",
+            setting="checkpoint.path",
+        )
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            try:
+                ray.kill(self._writer)
+            except Exception:
+                pass
+            self._writer = None

@@ -1,0 +1,282 @@
+"""Run metrics in Ray's own metrics system (`ray.util.metrics`), so they show
+in the Ray dashboard and on every node's Prometheus endpoint.
+
+    trainer = ElasticTrainer(..., callbacks=[MetricsCallback("my-run")])
+
+The callback runs in the driver; the driver's core worker hands the values to
+the metrics agent of the driver's node, which serves them on that node's
+`metrics_export_port` (`ray.nodes()[i]["MetricsExportPort"]`,
+`http://<node>:<port>/metrics`). Ray pushes them every
+`metrics_report_interval_ms` (10 s by default), so a scrape lags by up to that.
+
+Ray puts `ray_` in front of every application metric, so the names below
+(`elastic_*` in code) are scraped as `ray_elastic_*`:
+
+| Prometheus name | type | tags | meaning |
+|---|---|---|---|
+| `ray_elastic_state` | gauge | run, state | 1 for the current state, 0 for the others |
+| `ray_elastic_state_code` | gauge | run | the state as a number (`STATE_CODES`) |
+| `ray_elastic_step` | gauge | run | steps completed in the kept state |
+| `ray_elastic_steps_requested` | gauge | run | steps the run was asked for |
+| `ray_elastic_loss` | gauge | run | loss of the last step |
+| `ray_elastic_step_seconds` | gauge | run | duration of the last step |
+| `ray_elastic_live_slices` | gauge | run | slices training now |
+| `ray_elastic_goodput` | gauge | run | time in kept steps / wall time so far |
+| `ray_elastic_failures_total` | counter | run, kind | failures by kind (process_died, node_died, hung, preempted) |
+| `ray_elastic_rewound_steps_total` | counter | run | steps whose work was thrown away |
+| `ray_elastic_events_total` | counter | run, event | every timeline event, by name (checkpoints too) |
+| `ray_elastic_recovery_seconds` | histogram | run | fault -> next completed step, per failure |
+| `ray_elastic_last_recovery_seconds` | gauge | run | the same, for the latest failure |
+
+Ray drops a gauge series that has not been set for two report intervals, so
+a small daemon thread sets the gauges again every few seconds while the run
+lives and for `linger_s` after it ends (so the final state, `done` or
+`failed`, is scraped), then stops and lets the run's series age out.
+
+A metrics error never stops training: it is logged once and the callback
+goes quiet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Optional
+
+from ray_elastic.callbacks import Callback
+
+__all__ = ["MetricsCallback", "STATES", "STATE_CODES", "PROMETHEUS_PREFIX"]
+
+log = logging.getLogger("ray_elastic")
+
+STATES = ("starting", "training", "waiting", "recovering", "done", "failed")
+STATE_CODES = {s: i for i, s in enumerate(STATES)}
+PROMETHEUS_PREFIX = "ray_"  # what Ray adds in front of application metrics
+
+RECOVERY_BUCKETS_S = [0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800]
+
+# One set of metric objects per process: several runs (callbacks) share them
+# and tell their series apart by the `run` tag.
+_METRICS: Optional[dict] = None
+_METRICS_LOCK = threading.Lock()
+
+
+def _metrics() -> dict:
+    global _METRICS
+    with _METRICS_LOCK:
+        if _METRICS is None:
+            from ray.util.metrics import Counter, Gauge, Histogram
+
+            run = ("run",)
+            _METRICS = {
+                "state": Gauge("elastic_state", "1 for the run's current state, 0 for the others", ("run", "state")),
+                "state_code": Gauge(
+                    "elastic_state_code",
+                    "run state: " + ", ".join(f"{c}={s}" for s, c in STATE_CODES.items()),
+                    run,
+                ),
+                "step": Gauge("elastic_step", "steps completed (in the kept state)", run),
+                "steps_requested": Gauge("elastic_steps_requested", "steps the run was asked for", run),
+                "loss": Gauge("elastic_loss", "loss of the last completed step", run),
+                "step_seconds": Gauge("elastic_step_seconds", "duration of the last completed step", run),
+                "live_slices": Gauge("elastic_live_slices", "slices training now", run),
+                "goodput": Gauge("elastic_goodput", "time in kept steps / wall time so far", run),
+                "last_recovery": Gauge("elastic_last_recovery_seconds", "fault -> next completed step, latest failure", run),
+                "failures": Counter("elastic_failures", "slice failures by kind", ("run", "kind")),
+                "rewound": Counter("elastic_rewound_steps", "steps whose work was thrown away", run),
+                "events": Counter("elastic_events", "timeline events by name", ("run", "event")),
+                "recovery": Histogram(
+                    "elastic_recovery_seconds", "fault -> next completed step, per failure",
+                    boundaries=RECOVERY_BUCKETS_S, tag_keys=run,
+                ),
+            }
+        return _METRICS
+
+
+def _default_refresh_s() -> float:
+    try:
+        import ray
+
+        interval_ms = ray._config.metrics_report_interval_ms()
+    except Exception:
+        interval_ms = 10_000
+    # Ray exports at most once a second and forgets a gauge after two intervals.
+    return max(0.5, min(5.0, max(interval_ms, 1000) / 2000.0))
+
+
+class MetricsCallback(Callback):
+    """Export a run's state, progress, failures and recovery times through
+    `ray.util.metrics`. `run_name` is the `run` tag of every series.
+
+    refresh_s: how often gauges are set again (default: half of Ray's report
+        interval, at most 5 s). linger_s: how long they keep being set after
+        the run ends.
+    """
+
+    def __init__(
+        self,
+        run_name: str,
+        linger_s: float = 60.0,
+        refresh_s: Optional[float] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.run_name = str(run_name)
+        self.linger_s = linger_s
+        self.refresh_s = refresh_s
+        self._clock = clock
+        self._m: Optional[dict] = None
+        self._lock = threading.Lock()
+        self._gauges: dict[str, float] = {}  # metric key -> last value
+        self._state = "starting"
+        self._durations: list[float] = []  # of kept steps, by step index
+        self._t_start: Optional[float] = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._broken = False
+        self._t_end: Optional[float] = None
+
+    # -- hooks ----------------------------------------------------------------
+
+    def on_start(self, trainer: Any) -> None:
+        def start():
+            self._t_start = self._clock()
+            self._t_end = None
+            self._durations = []
+            self._m = _metrics()
+            self._set_state("starting")
+            steps = getattr(trainer, "steps", None)
+            if steps is not None:
+                self._set("steps_requested", steps)
+            self._set("step", 0)
+            self._set("live_slices", 0)
+            self._set("goodput", 0.0)
+            self._flush()
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._refresh_loop, name=f"ray_elastic-metrics-{self.run_name}", daemon=True)
+            self._thread.start()
+
+        self._guard(start)
+
+    def on_event(self, event: dict) -> None:
+        self._guard(lambda: self._on_event(event))
+
+    def on_step(self, step: int, metrics: dict) -> None:
+        self._guard(lambda: self._on_step(step, metrics))
+
+    def on_end(self, report: Any) -> None:
+        self._guard(lambda: self._on_end(report))
+
+    # -- what the hooks do ---------------------------------------------------------
+
+    def _on_event(self, e: dict) -> None:
+        if self._m is None:
+            return
+        name = str(e.get("event", "?"))
+        self._m["events"].inc(1, tags={"run": self.run_name, "event": name})
+        if name in ("start", "grow", "shrink") and isinstance(e.get("slices"), (list, tuple)):
+            self._set("live_slices", len(e["slices"]))
+        if name == "start":
+            self._set_state("training")
+        elif name == "detected":
+            self._m["failures"].inc(1, tags={"run": self.run_name, "kind": str(e.get("kind", "unknown"))})
+            self._set("live_slices", max(0, self._gauges.get("live_slices", 1) - 1))
+            self._set_state("recovering")
+        elif name == "wait":
+            self._set_state("waiting")
+        elif name in ("shrink", "grow"):
+            # Training goes on; "recovered" comes with the next completed step.
+            self._set_state("recovering")
+        elif name == "rewind":
+            dropped = int(e.get("from_step", 0)) - int(e.get("to_step", 0))
+            if dropped > 0:
+                self._m["rewound"].inc(dropped, tags={"run": self.run_name})
+            to = int(e.get("to_step", len(self._durations)))
+            del self._durations[to:]
+            self._set("step", to)
+        elif name == "recovered":
+            rec = e.get("recovered_s")
+            if isinstance(rec, (int, float)):
+                self._m["recovery"].observe(float(rec), tags={"run": self.run_name})
+                self._set("last_recovery", float(rec))
+            self._set_state("training")
+        self._flush()
+
+    def _on_step(self, step: int, m: dict) -> None:
+        if self._m is None:
+            return
+        step_s = float(m.get("step_s", 0.0))
+        del self._durations[max(0, step - 1):]
+        self._durations.append(step_s)
+        self._set("step", step)
+        self._set("step_seconds", step_s)
+        if "loss" in m:
+            self._set("loss", float(m["loss"]))
+        if "slices" in m:
+            self._set("live_slices", int(m["slices"]))
+        elapsed = self._clock() - (self._t_start or 0.0)
+        if elapsed > 0:
+            self._set("goodput", min(1.0, sum(self._durations) / elapsed))
+        if self._state == "starting":
+            # After a failure the controller emits "recovered" (which sets
+            # "training") just before this hook, so only the start is left.
+            self._set_state("training")
+        self._flush()
+
+    def _on_end(self, report: Any) -> None:
+        if self._m is None:
+            return
+        ok = not getattr(report, "error", "") and getattr(report, "steps_completed", 0) >= getattr(report, "steps_requested", 0)
+        self._set("step", getattr(report, "steps_completed", self._gauges.get("step", 0)))
+        if getattr(report, "wall_s", 0) > 0:
+            self._set("goodput", float(report.goodput))
+        self._set_state("done" if ok else "failed")
+        self._flush()
+        self._t_end = self._clock()
+
+    # -- plumbing -------------------------------------------------------------------
+
+    def _set(self, key: str, value: float) -> None:
+        with self._lock:
+            self._gauges[key] = float(value)
+
+    def _set_state(self, state: str) -> None:
+        self._state = state
+        self._set("state_code", STATE_CODES[state])
+
+    def _flush(self) -> None:
+        """Set every gauge to its last value (also what keeps them alive)."""
+        m = self._m
+        if m is None:
+            return
+        tags = {"run": self.run_name}
+        with self._lock:
+            values = dict(self._gauges)
+            state = self._state
+        for key, value in values.items():
+            m[key].set(value, tags=tags)
+        for s in STATES:
+            m["state"].set(1.0 if s == state else 0.0, tags={"run": self.run_name, "state": s})
+
+    def _refresh_loop(self) -> None:
+        every = self.refresh_s if self.refresh_s is not None else _default_refresh_s()
+        while not self._stop.wait(every):
+            end = self._t_end
+            if end is not None and self._clock() - end >= self.linger_s:
+                return
+            self._guard(self._flush)
+
+    def close(self) -> None:
+        """Stop refreshing now (the series then age out of Ray's exporter)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+
+    def _guard(self, fn: Callable[[], None]) -> None:
+        if self._broken:
+            return
+        try:
+            fn()
+        except Exception:  # metrics must never take a training run down
+            self._broken = True
+            log.warning("MetricsCallback(%r) disabled after an error", self.run_name, exc_info=True)

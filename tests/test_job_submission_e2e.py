@@ -1,0 +1,307 @@
+"""End to end the way users run it: a Ray cluster started with `ray start`,
+the training script submitted with `ray job submit`.
+
+The cluster is real and multi-node, on this one machine: a head node with no
+CPUs (only the job's driver, the single controller, lives there) and two
+worker nodes of one CPU each, every node a `ray start --block` process in its
+own process group, on ports of its own and under a temp dir of its own, so it
+neither meets nor stops any other Ray cluster running here. The job is
+`examples/train_lm.py` with the repository as its working_dir.
+
+Two ways to fail a slice mid-run:
+- from inside the job: `--fault kill:1:40` makes the driver SIGKILL the
+  worker process of slice 1 at step 40;
+- from outside, as a crash would: the test finds slice 1's worker through
+  the state API (class SliceWorker, placement group `...-slice1`) and sends
+  it SIGKILL while the job trains.
+
+Either way the job must succeed, and its logs must show the failure detected
+and recovered, with every requested step done.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NUM_WORKER_NODES = 2
+OBJECT_STORE_BYTES = 200 * 1024 * 1024
+# Worker-process port ranges, one per node: below the kernel's ephemeral
+# range and away from Ray's default 10002-19999, so neither another cluster's
+# workers nor the ports picked by `_free_port` can land in them.
+WORKER_PORT_BASE = 22000
+WORKER_PORTS_PER_NODE = 400
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    """The environment of every `ray` command: never another cluster's address."""
+    env = dict(os.environ)
+    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+        env.pop(key, None)
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+def _ray(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["ray", *args], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def _node_ports(index: int) -> list[str]:
+    low = WORKER_PORT_BASE + index * WORKER_PORTS_PER_NODE
+    return [
+        f"--node-manager-port={_free_port()}",
+        f"--object-manager-port={_free_port()}",
+        f"--dashboard-agent-listen-port={_free_port()}",
+        f"--dashboard-agent-grpc-port={_free_port()}",
+        f"--runtime-env-agent-port={_free_port()}",
+        f"--metrics-export-port={_free_port()}",
+        f"--min-worker-port={low}",
+        f"--max-worker-port={low + WORKER_PORTS_PER_NODE - 1}",
+    ]
+
+
+def _pids_using(temp_dir: str) -> list[int]:
+    """Processes whose command line or working directory is under our temp
+    dir: every Ray process of our cluster (they carry its session dir), and
+    the job's driver (its cwd is the unpacked working_dir there)."""
+    mine = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read().decode(errors="replace")
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:  # gone, or not ours to read
+            continue
+        if temp_dir in cmdline or cwd.startswith(temp_dir):
+            mine.append(int(entry))
+    return mine
+
+
+class RayStartCluster:
+    """A head and worker nodes started with `ray start --block`."""
+
+    def __init__(self, temp_dir: str):
+        self.temp_dir = temp_dir
+        self.gcs_port = _free_port()
+        self.dashboard_port = _free_port()
+        self.gcs_address = f"127.0.0.1:{self.gcs_port}"
+        self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
+        self.procs: list[subprocess.Popen] = []
+
+    def _start(self, name: str, args: list[str]) -> None:
+        log = open(os.path.join(self.temp_dir, f"{name}.log"), "w")
+        cmd = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+               f"--object-store-memory={OBJECT_STORE_BYTES}", *args]
+        # start_new_session: each node is its own process group, so it can
+        # be stopped as a whole, and a ^C in pytest reaches none of them.
+        self.procs.append(subprocess.Popen(
+            cmd, env=_env(), cwd=self.temp_dir, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        ))
+
+    def start(self) -> None:
+        self._start("head", [
+            "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}", "--num-cpus=0",
+            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={_free_port()}",
+            *_node_ports(0),
+        ])
+        self._wait_for_dashboard(timeout=120)
+        for i in range(1, NUM_WORKER_NODES + 1):
+            self._start(f"worker{i}", [
+                f"--address={self.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
+                *_node_ports(i),
+            ])
+        self._wait_for_nodes(NUM_WORKER_NODES + 1, timeout=120)
+
+    def _check_alive(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"`{' '.join(p.args[:4])}` exited with {p.returncode}:\n{self.logs()}")
+
+    def _wait_for_dashboard(self, timeout: float) -> None:
+        from ray.job_submission import JobSubmissionClient
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                JobSubmissionClient(self.dashboard_url).list_jobs()
+                return
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"dashboard at {self.dashboard_url} not up:\n{self.logs()}")
+                time.sleep(1)
+
+    def _wait_for_nodes(self, n: int, timeout: float) -> None:
+        from ray.util.state import list_nodes
+
+        deadline = time.monotonic() + timeout
+        while True:
+            self._check_alive()
+            try:
+                if len(list_nodes(address=self.dashboard_url, filters=[("state", "=", "ALIVE")])) >= n:
+                    return
+            except Exception:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"fewer than {n} nodes joined:\n{self.logs()}")
+            time.sleep(1)
+
+    def logs(self) -> str:
+        out = []
+        for name in sorted(os.listdir(self.temp_dir)):
+            if name.endswith(".log"):
+                with open(os.path.join(self.temp_dir, name), errors="replace") as f:
+                    out.append(f"--- {name}\n{f.read()[-3000:]}")
+        return "\n".join(out)
+
+    def stop(self) -> list[int]:
+        """Stop every node (workers first), then anything of ours left.
+        Returns the pids still alive afterwards (should be none)."""
+        for p in reversed(self.procs):  # SIGTERM: `ray start --block` stops its processes
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        while (left := _pids_using(self.temp_dir)) and time.monotonic() < deadline:
+            for pid in left:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.5)
+        return _pids_using(self.temp_dir)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # Short, own temp dir: Ray's socket paths must stay under 108 bytes, and
+    # everything of this cluster (sessions, logs, sockets) stays in it.
+    temp_dir = tempfile.mkdtemp(prefix="re-job-", dir="/tmp")
+    cluster = RayStartCluster(temp_dir)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        left = cluster.stop()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not left, f"processes of the test cluster still alive: {left}"
+
+
+def _submit(cluster: RayStartCluster, *train_args: str) -> str:
+    # The interpreter running the tests: the cluster's own, which has
+    # ray_elastic installed; a user's entrypoint would say `python`.
+    entrypoint = [sys.executable, "examples/train_lm.py", *train_args]
+    out = _ray("job", "submit", "--address", cluster.dashboard_url, "--working-dir", ROOT,
+               "--no-wait", "--", *entrypoint, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    found = re.search(r"raysubmit_\w+", out.stdout + out.stderr)
+    assert found, out.stdout + out.stderr
+    return found.group(0)
+
+
+def _wait_for(cluster: RayStartCluster, job_id: str, timeout: float, until_log: str | None = None) -> str:
+    """Poll the job until it ends (or its logs contain `until_log`); return
+    its status."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(cluster.dashboard_url)
+    deadline = time.monotonic() + timeout
+    while True:
+        status = client.get_job_status(job_id)
+        if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
+            return status
+        if until_log is not None and until_log in client.get_job_logs(job_id):
+            return status
+        if time.monotonic() > deadline:
+            _ray("job", "stop", "--address", cluster.dashboard_url, job_id, timeout=30)
+            pytest.fail(f"job {job_id} still {status} after {timeout} s; logs:\n{_logs(cluster, job_id)[-5000:]}")
+        time.sleep(0.5)
+
+
+def _logs(cluster: RayStartCluster, job_id: str) -> str:
+    out = _ray("job", "logs", "--address", cluster.dashboard_url, job_id, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def _assert_trained_through(logs: str, steps: int, at_step: int | None = None) -> None:
+    """One process_died of slice 1 detected and recovered; every step done."""
+    detected = re.findall(r"^\[\s*[\d.]+ s\] detected (\{.*\})$", logs, re.M)
+    assert len(detected) == 1, logs[-5000:]
+    assert '"kind": "process_died"' in detected[0] and '"slice": 1' in detected[0], detected
+    step = r"\d+" if at_step is None else str(at_step)
+    assert re.search(rf"^recovered from process_died of slice 1 at step {step} in [\d.]+ s$", logs, re.M), logs[-5000:]
+    assert re.search(rf"^done: {steps} steps, final loss [\d.]+, driver pid \d+$", logs, re.M), logs[-5000:]
+
+
+def test_job_with_injected_fault_recovers(ray_cluster):
+    steps = 150
+    job_id = _submit(ray_cluster, "--slices", "2", "--policy", "resize", "--steps", str(steps),
+                     "--fault", "kill:1:40")
+    status = _wait_for(ray_cluster, job_id, timeout=200)
+    logs = _logs(ray_cluster, job_id)
+    assert status == "SUCCEEDED", logs[-5000:]
+    _assert_trained_through(logs, steps, at_step=40)
+
+
+def _slice_worker_pid(cluster: RayStartCluster, slice_id: int) -> int:
+    """The pid of the live SliceWorker of a slice, found as an operator
+    would: the slice's placement group is named `<run>-slice<N>`."""
+    from ray.util.state import list_actors, list_placement_groups
+
+    groups = {
+        g.placement_group_id: g.name
+        for g in list_placement_groups(address=cluster.dashboard_url, filters=[("state", "=", "CREATED")])
+    }
+    actors = list_actors(
+        address=cluster.dashboard_url, detail=True,
+        filters=[("class_name", "=", "SliceWorker"), ("state", "=", "ALIVE")],
+    )
+    pids = [a.pid for a in actors if groups.get(a.placement_group_id, "").endswith(f"-slice{slice_id}") and a.pid]
+    assert len(pids) == 1, (groups, actors)
+    return pids[0]
+
+
+def test_job_survives_worker_killed_from_outside(ray_cluster):
+    steps = 600
+    job_id = _submit(ray_cluster, "--slices", "2", "--policy", "resize", "--steps", str(steps))
+    status = _wait_for(ray_cluster, job_id, timeout=150, until_log=f"step 50/{steps}")
+    assert status == "RUNNING", _logs(ray_cluster, job_id)[-5000:]
+    os.kill(_slice_worker_pid(ray_cluster, 1), signal.SIGKILL)
+    status = _wait_for(ray_cluster, job_id, timeout=150)
+    logs = _logs(ray_cluster, job_id)
+    assert status == "SUCCEEDED", logs[-5000:]
+    _assert_trained_through(logs, steps)
