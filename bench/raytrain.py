@@ -112,8 +112,9 @@ def _train_loop(
     """Train cfg["steps"] steps from the restored state (or step 0).
 
     `restore()` gives (step, leaves as numpy) or None; `report(step, loss,
-    leaves or None)` is called after every step, with the leaves every
-    cfg["checkpoint_every"] steps and at the end.
+    leaves or None)` is called every cfg["report_every"] steps (default: with
+    each checkpoint), with the leaves every cfg["checkpoint_every"] steps and
+    at the end. Every step is logged whatever the reporting.
     """
     import jax
     import numpy as np
@@ -123,11 +124,21 @@ def _train_loop(
     import examples.lm as lm
 
     log = cfg["log"]
+    phases, t_phase = {}, time.time()
+
+    def phase(name):
+        nonlocal t_phase
+        now = time.time()
+        phases[name] = round(now - t_phase, 3)
+        t_phase = now
+
     if cfg.get("compile_cache_dir"):
         jax.config.update("jax_compilation_cache_dir", cfg["compile_cache_dir"])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     program = lm.make_program(lm.LMConfig())
+    lm.encoded_corpus(lm.LMConfig().corpus_seed, lm.LMConfig().corpus_chars)
+    phase("program")
     mesh = Mesh(np.array(jax.devices()), ("data",))
     replicated = NamedSharding(mesh, PartitionSpec())
     by_data = NamedSharding(mesh, PartitionSpec("data"))
@@ -152,6 +163,8 @@ def _train_loop(
 
     params = jax.jit(program.init_params, out_shardings=replicated)(jax.random.PRNGKey(SEED))
     opt_state = jax.jit(program.optimizer.init, out_shardings=replicated)(params)
+    jax.block_until_ready((params, opt_state))
+    phase("init")
     # Compiled ahead of time, as ray_elastic's workers do: step times below
     # never include compilation.
     step_fn = (
@@ -159,6 +172,7 @@ def _train_loop(
         .lower(params, opt_state, global_batch(0))
         .compile()
     )
+    phase("compile")
     leaves, treedef = jax.tree.flatten((params, opt_state))
     start = 0
     state = restore()
@@ -171,18 +185,22 @@ def _train_loop(
         ]
         params, opt_state = jax.tree.unflatten(treedef, leaves)
         _log(log, ev="restore", rank=rank, step=start, pid=os.getpid())
+    phase("restore")
+    _log(log, ev="ready", rank=rank, pid=os.getpid(), phases=phases)
 
     def host(a):
         return np.array(a.addressable_data(0), copy=True)  # replicated: the local copy is all of it
 
     steps, every = cfg["steps"], cfg["checkpoint_every"]
+    report_every = cfg.get("report_every") or every or 1
     t_prev = time.time()
     for k in range(start, steps):
         params, opt_state, loss = step_fn(params, opt_state, global_batch(k))
         loss = float(np.asarray(loss.addressable_data(0)))
         done = k + 1
         save = every > 0 and (done % every == 0 or done == steps)
-        report(done, loss, [host(a) for a in jax.tree.leaves((params, opt_state))] if save else None)
+        if save or done % report_every == 0:
+            report(done, loss, [host(a) for a in jax.tree.leaves((params, opt_state))] if save else None)
         t = time.time()
         _log(log, ev="step", rank=rank, step=done, dur=t - t_prev, loss=loss, pid=os.getpid(), world=world)
         t_prev = t
@@ -266,6 +284,8 @@ def run_raytrain(
     elastic: bool = False,
     *,
     max_failures: int = 3,
+    report_every: Optional[int] = None,
+    health_check_interval_s: Optional[float] = None,
     hang_timeout_s: Optional[float] = 30.0,
     resize_interval_s: float = 10.0,
     time_limit_s: float = 600.0,
@@ -277,6 +297,12 @@ def run_raytrain(
     scenario: "kill" (SIGKILL of rank 1), "stop" (SIGSTOP of rank 1: a hang),
     "remove_node" (rank 1's node and its processes go; a replacement node is
     added at once, or, when elastic, once training has resumed), or "none".
+    report_every: steps between `ray.train.report` calls (default: with each
+    checkpoint). Ray Train v2 keeps one unconsumed report per worker and the
+    controller takes one per health-check poll (every 2 s by default), so
+    reporting every step caps training at one step per poll interval.
+    health_check_interval_s: RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray: 2 s);
+    None keeps Ray's setting.
     hang_timeout_s: RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S for the run
     (Ray's default is 600 s); None keeps Ray's setting.
     The run is ended after time_limit_s whatever happens.
@@ -304,6 +330,7 @@ def run_raytrain(
         "scratch": tmp,
         "steps": steps,
         "checkpoint_every": checkpoint_every,
+        "report_every": report_every,
         "num_shards": num_workers,
         "compile_cache_dir": compile_cache_dir,
     }
@@ -324,9 +351,10 @@ def run_raytrain(
             failure_config=FailureConfig(max_failures=max_failures, controller_failure_limit=0),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
             callbacks=[_detect_callback(log_path)],
+            # `examples` comes with the job's runtime env (py_modules, set
+            # when the driver connected: bench.common.start_cluster).
             worker_runtime_env={
                 "env_vars": {"JAX_PLATFORMS": "cpu", "JAX_CPU_COLLECTIVES_IMPLEMENTATION": "gloo"},
-                "py_modules": [os.path.join(ROOT, "examples")],
             },
         ),
     )
@@ -336,6 +364,8 @@ def run_raytrain(
     env = {"RAY_TRAIN_V2_ENABLED": "1"}
     if hang_timeout_s is not None:
         env["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(hang_timeout_s)
+    if health_check_interval_s is not None:
+        env["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(health_check_interval_s)
     saved_env = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
 
@@ -411,6 +441,8 @@ def run_raytrain(
         num_workers=num_workers,
         checkpoint_every=checkpoint_every,
         settings={"max_failures": max_failures, "hang_timeout_s": hang_timeout_s,
+                  "report_every": report_every or checkpoint_every or 1,
+                  "health_check_interval_s": health_check_interval_s,
                   "resize_interval_s": resize_interval_s if elastic else None},
         error=None if error is None else f"{type(error).__name__}: {str(error)[:500]}",
         notes=notes,
@@ -606,9 +638,15 @@ def run_full_restart(
            "--steps", str(steps), "--every", str(checkpoint_every), "--log", log_path, "--ckpt", ckpt,
            "--compile-cache-dir", compile_cache_dir or ""]
 
+    launches = []
+
     def launch():
-        # Its own session: the whole job can be killed as one group.
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True)
+        # Its own session: the whole job can be killed as one group. Its
+        # output (a killed peer makes the others print errors) goes to a file.
+        with open(os.path.join(tmp, f"job-{len(launches)}.log"), "wb") as out:
+            launches.append(time.time())
+            return subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                                    stdout=out, stderr=subprocess.STDOUT)
 
     tail = _LogTail(log_path)
     fault: dict = {}

@@ -83,7 +83,6 @@ class CheckpointCoordinator:
             env = {k: os.environ[k] for k in STORAGE_ENV if k in os.environ}
             self._writer = _RemoteWriter.options(
                 num_cpus=0,
-                max_concurrency=2,
                 # Next to the driver: it shares the driver's fate anyway,
                 # and never competes with a slice for its node.
                 scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
@@ -130,6 +129,12 @@ class CheckpointCoordinator:
         step, ref, t0 = self._inflight
         done, _ = ray.wait([ref], timeout=block_s)
         if not done:
+            if time.monotonic() - t0 > self.config.save_timeout_s:
+                # The storage stopped answering: abandon the write (its
+                # half-written step is swept by the next save).
+                self._inflight = None
+                self.shutdown()
+                self._failed(step, f"no commit within checkpoint.save_timeout_s={self.config.save_timeout_s:g}")
             return
         self._inflight = None
         try:

@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import os
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -43,6 +44,19 @@ logging.getLogger("gcsfs").setLevel(logging.ERROR)
 # Settings that point Orbax (etils/gcsfs and tensorstore) at a GCS
 # emulator; passed on to the writer process when set in the driver.
 STORAGE_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_CLOUD_PROJECT", "GOOGLE_APPLICATION_CREDENTIALS")
+
+
+_import_lock = threading.Lock()
+
+
+def _ocp():
+    """orbax.checkpoint, imported once under a lock: its package import is
+    not thread-safe, and the writer serves calls on two threads."""
+    with _import_lock:
+        import orbax.checkpoint as ocp
+        from orbax.checkpoint.path import step  # noqa: F401 (same reason)
+
+        return ocp
 
 
 class StorageError(ElasticError):
@@ -71,6 +85,8 @@ class CheckpointConfig:
         times, doubling the wait each time, before the save counts as failed.
     max_failed_saves: consecutive failed saves before the run stops, after
         rescuing the state to `rescue_dir`.
+    save_timeout_s: a save still running after this long (a storage that
+        stopped answering) is abandoned and its writer replaced.
     """
 
     path: str
@@ -81,6 +97,7 @@ class CheckpointConfig:
     storage_retries: int = 4
     retry_backoff_s: float = 0.5
     max_failed_saves: int = 3
+    save_timeout_s: float = 600.0
     rescue_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "rescue")
 
     def __post_init__(self):
@@ -99,6 +116,8 @@ class CheckpointConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 1, got {v!r}")
+        if not isinstance(self.save_timeout_s, (int, float)) or self.save_timeout_s <= 0:
+            raise ConfigError("checkpoint.save_timeout_s", f"must be > 0, got {self.save_timeout_s!r}")
         if not isinstance(self.retry_backoff_s, (int, float)) or self.retry_backoff_s < 0:
             raise ConfigError("checkpoint.retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s!r}")
 
@@ -172,9 +191,20 @@ class CheckpointStore:
 
         _bounded(probe, timeout_s, f"checkpoint.path {self.path}")
 
+    def _fresh_listing(self) -> None:
+        """gcsfs caches directory listings per process; another process
+        (a writer, a killed writer) may have changed the bucket since."""
+        if self.path.startswith("gs://"):
+            import gcsfs
+
+            # Every cached instance: etils builds its own with other args.
+            for fs in list(getattr(gcsfs.GCSFileSystem, "_cache", {}).values()):
+                fs.invalidate_cache()
+
     def steps(self) -> list[StepInfo]:
         """Every step folder, committed or not, oldest first."""
-        from orbax.checkpoint.path import step as ostep
+        ostep = _ocp().path.step
+        self._fresh_listing()
 
         out = []
         if not self.dir.exists():
@@ -211,7 +241,7 @@ class CheckpointStore:
     # -- save and restore ----------------------------------------------------
 
     def _manager(self):
-        import orbax.checkpoint as ocp
+        ocp = _ocp()
 
         # A fresh manager per call: no failed save stays cached in it.
         return ocp.CheckpointManager(
@@ -221,7 +251,7 @@ class CheckpointStore:
 
     def save(self, step: int, state: dict, meta: dict) -> dict:
         """Write and commit one step, retrying transient errors with backoff."""
-        import orbax.checkpoint as ocp
+        ocp = _ocp()
 
         t0 = time.perf_counter()
         wait = self.backoff_s
@@ -230,6 +260,7 @@ class CheckpointStore:
                 self.sweep()
                 if step in self.committed_steps():
                     break  # already durable (a retry after a lost reply)
+                self._fresh_listing()
                 mgr = self._manager()
                 mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
                 mgr.wait_until_finished()
@@ -248,7 +279,7 @@ class CheckpointStore:
 
     def restore(self, step: Optional[int] = None, template: Any = None) -> tuple[Any, dict]:
         """(state, meta) of a committed step (default: the newest)."""
-        import orbax.checkpoint as ocp
+        ocp = _ocp()
 
         self.sweep()
         step = self.latest_committed() if step is None else step

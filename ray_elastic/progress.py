@@ -235,7 +235,7 @@ class ProgressCallback(Callback):
                     avg = sum(self._recent) / len(self._recent)
                     parts.append(f"eta {_fmt_s(avg * (self.total - self._step))}")
             if self._note:
-                parts.append(self._note)
+                parts.append("last: " + self._note)
             return "  ".join(parts)
 
     def _draw(self) -> None:

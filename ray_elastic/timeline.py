@@ -16,21 +16,29 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 from ray_elastic.events import EventsFileError, read_events
 
-__all__ = ["RunTimeline", "load_timeline", "draw_timeline", "TimelineInputError"]
+__all__ = ["RunTimeline", "StepPoint", "load_timeline", "draw_timeline", "TimelineInputError"]
 
 
 class TimelineInputError(ValueError):
     """The input is not an events file nor a run report."""
 
 
+class StepPoint(NamedTuple):
+    t: float  # when the step completed, seconds since the start
+    step: int
+    slices: Optional[int] = None
+    loss: Optional[float] = None
+    step_s: Optional[float] = None  # how long it took
+
+
 @dataclasses.dataclass
 class RunTimeline:
     events: list[dict]  # controller events, with "t" and "event"
-    steps: list[tuple[float, int, Optional[int], Optional[float]]]  # (t, step, slices, loss)
+    steps: list[StepPoint]
     steps_requested: Optional[int] = None
     policy: Optional[str] = None
     num_slices: Optional[int] = None
@@ -83,7 +91,7 @@ def _num(x: Any) -> Optional[float]:
 def _from_records(records: list[dict], path: str) -> RunTimeline:
     events = [r for r in records if r.get("event") not in _META and _num(r.get("t")) is not None]
     steps = [
-        (float(r["t"]), int(r["step"]), r.get("slices"), _num(r.get("loss")))
+        StepPoint(float(r["t"]), int(r["step"]), r.get("slices"), _num(r.get("loss")), _num(r.get("step_s")))
         for r in records
         if r.get("event") == "step" and _num(r.get("t")) is not None and _num(r.get("step")) is not None
     ]
@@ -123,7 +131,8 @@ def _from_report(rep: dict, path: str) -> RunTimeline:
     for i, dt in enumerate(times):
         t = max(t, floor.get(i, t)) + dt
         t = exact.get(i + 1, t)
-        steps.append((t, i + 1, slices[i] if i < len(slices) else None, _num(losses[i]) if i < len(losses) else None))
+        steps.append(StepPoint(t, i + 1, slices[i] if i < len(slices) else None,
+                               _num(losses[i]) if i < len(losses) else None, dt))
     return RunTimeline(
         events=events, steps=steps, steps_requested=rep.get("steps_requested"), policy=rep.get("policy"),
         num_slices=rep.get("num_slices"), source="report",
@@ -144,9 +153,9 @@ def _slices_series(tl: RunTimeline) -> list[tuple[float, int]]:
         else:
             continue
         pts.append((t, 0, n))
-    for t, _, s, _ in tl.steps:
-        if isinstance(s, int):
-            pts.append((t, 1, s))
+    for p in tl.steps:
+        if isinstance(p.slices, int):
+            pts.append((p.t, 1, p.slices))
     pts.sort()
     out: list[tuple[float, int]] = []
     for t, _, n in pts:
@@ -184,14 +193,14 @@ def draw_timeline(tl: RunTimeline, out: str, title: Optional[str] = None) -> str
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    has_loss = any(loss is not None for *_, loss in tl.steps)
+    has_loss = any(p.loss is not None for p in tl.steps)
     fig, axes = plt.subplots(
         2 if has_loss else 1, 1, figsize=(13, 7.5 if has_loss else 5.2), sharex=True,
         gridspec_kw={"height_ratios": [3, 1.3]} if has_loss else None, squeeze=False,
     )
     ax = axes[0][0]
     lax = axes[1][0] if has_loss else None
-    end_t = max([t for t, *_ in tl.steps] + [float(e["t"]) for e in tl.events] + [1e-3])
+    end_t = max([p.t for p in tl.steps] + [float(e["t"]) for e in tl.events] + [1e-3])
 
     # Spans: fault (or detection) -> recovered is down/degraded time; wait ->
     # grow is the wait for a replacement.
@@ -218,8 +227,13 @@ def draw_timeline(tl: RunTimeline, out: str, title: Optional[str] = None) -> str
     handles: dict[str, Any] = {}
     for a in filter(None, (ax, lax)):
         for t0, t1, colour, label in spans:
-            a.axvspan(t0, max(t1, t0 + end_t * 0.002), color=colour, alpha=0.35, lw=0, zorder=0)
-            handles.setdefault(label, Patch(color=colour, alpha=0.35, label=label))
+            t1 = max(t1, t0 + end_t * 0.002)
+            if label.startswith("waiting"):  # hatched, so it reads over the fault span
+                kw = dict(facecolor="none", edgecolor="#d4a017", hatch="//", lw=0, alpha=0.8)
+            else:
+                kw = dict(facecolor=colour, alpha=0.35, lw=0)
+            a.axvspan(t0, t1, zorder=0, **kw)
+            handles.setdefault(label, Patch(label=label, **kw))
 
     # Vertical lines; frequent ones (checkpoints every N steps) drawn thinner.
     t_start = next((float(e["t"]) for e in tl.events if e["event"] == "start"), None)
@@ -238,12 +252,21 @@ def draw_timeline(tl: RunTimeline, out: str, title: Optional[str] = None) -> str
 
     # Steps against time (a rewind shows as a drop).
     if tl.steps:
-        ts = [t for t, *_ in tl.steps]
-        ss = [s for _, s, *_ in tl.steps]
+        pts = [(p.t, 2, p.step) for p in tl.steps]
+        # A step began where the one before it ended, unless the run was
+        # stalled in between: hold the curve flat across such gaps.
+        pts += [(p.t - p.step_s, 1, p.step - 1) for p in tl.steps if p.step_s is not None and p.step_s >= 0]
+        if tl.source == "events":  # a rewind drops the curve at once
+            for e in tl.events:
+                if e["event"] == "rewind" and _num(e.get("to_step")) is not None and _num(e.get("from_step")) is not None:
+                    pts += [(float(e["t"]), -1, int(e["from_step"])), (float(e["t"]), 0, int(e["to_step"]))]
         first = next((float(e["t"]) for e in tl.events if e["event"] == "start"), None)
-        if first is not None and first <= ts[0] and ss[0] <= 1:
-            ts, ss = [first] + ts, [0] + ss
-        (h,) = ax.plot(ts, ss, color="#1f3b73", lw=2.0, marker="." if len(ts) <= 200 else None, ms=4, zorder=3)
+        if first is not None and first <= tl.steps[0][0] and tl.steps[0][1] <= 1:
+            pts.append((first, 0, 0))
+        pts.sort()
+        (h,) = ax.plot([t for t, _, _ in pts], [s for _, _, s in pts], color="#1f3b73", lw=2.0, zorder=3)
+        if len(tl.steps) <= 200:
+            ax.plot([p.t for p in tl.steps], [p.step for p in tl.steps], ".", color="#1f3b73", ms=4, zorder=3)
         handles["step" + (" (rebuilt from report)" if tl.source == "report" else "")] = h
     if tl.steps_requested:
         handles["steps requested"] = ax.axhline(tl.steps_requested, color="#1f3b73", lw=0.8, ls=":", alpha=0.6, zorder=1)
@@ -266,7 +289,7 @@ def draw_timeline(tl: RunTimeline, out: str, title: Optional[str] = None) -> str
         ax2.tick_params(axis="y", colors="#c2188f")
 
     if lax is not None:
-        pts = [(t, loss) for t, _, _, loss in tl.steps if loss is not None]
+        pts = [(p.t, p.loss) for p in tl.steps if p.loss is not None]
         lax.plot([p[0] for p in pts], [p[1] for p in pts], color="#444444", lw=1.4, zorder=3)
         lax.set_ylabel("loss")
         lax.grid(True, alpha=0.25)

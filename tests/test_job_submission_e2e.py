@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -51,19 +52,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env() -> dict:
-    """The environment of every `ray` command: never another cluster's address."""
+def _env(temp_dir: str) -> dict:
+    """The environment of every `ray` command run against the test cluster:
+    never another cluster's address, and token authentication (Ray's default
+    once a token exists) with a token of this cluster's own."""
     env = dict(os.environ)
-    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR"):
+    for key in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_JOB_CONFIG_JSON_ENV_VAR", "RAY_AUTH_TOKEN"):
         env.pop(key, None)
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN_PATH"] = os.path.join(temp_dir, "auth_token")
     return env
-
-
-def _ray(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["ray", *args], env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-    )
 
 
 def _node_ports(index: int) -> list[str]:
@@ -104,11 +103,34 @@ class RayStartCluster:
 
     def __init__(self, temp_dir: str):
         self.temp_dir = temp_dir
+        self.env = _env(temp_dir)
+        token = secrets.token_hex(32)
+        with open(self.env["RAY_AUTH_TOKEN_PATH"], "w") as f:
+            f.write(token)
+        # For the clients in this process, which must not read or cache any
+        # token (Ray's loader is process-wide): pass the header explicitly.
+        self.headers = {"Authorization": f"Bearer {token}"}
         self.gcs_port = _free_port()
         self.dashboard_port = _free_port()
         self.gcs_address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         self.procs: list[subprocess.Popen] = []
+
+    def ray(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+        """Run the `ray` command line against this cluster."""
+        return subprocess.run(
+            ["ray", *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        )
+
+    def jobs(self):
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.dashboard_url, headers=self.headers)
+
+    def state(self):
+        from ray.util.state import StateApiClient
+
+        return StateApiClient(self.dashboard_url, headers=self.headers)
 
     def _start(self, name: str, args: list[str]) -> None:
         log = open(os.path.join(self.temp_dir, f"{name}.log"), "w")
@@ -117,9 +139,10 @@ class RayStartCluster:
         # start_new_session: each node is its own process group, so it can
         # be stopped as a whole, and a ^C in pytest reaches none of them.
         self.procs.append(subprocess.Popen(
-            cmd, env=_env(), cwd=self.temp_dir, stdout=log, stderr=subprocess.STDOUT,
+            cmd, env=self.env, cwd=self.temp_dir, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         ))
+        log.close()
 
     def start(self) -> None:
         self._start("head", [
@@ -128,46 +151,38 @@ class RayStartCluster:
             f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={_free_port()}",
             *_node_ports(0),
         ])
-        self._wait_for_dashboard(timeout=120)
+        self._wait("the dashboard", lambda: self.jobs().list_jobs() is not None, timeout=120)
         for i in range(1, NUM_WORKER_NODES + 1):
             self._start(f"worker{i}", [
                 f"--address={self.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
                 *_node_ports(i),
             ])
-        self._wait_for_nodes(NUM_WORKER_NODES + 1, timeout=120)
+        self._wait(f"{NUM_WORKER_NODES + 1} alive nodes", lambda: self._alive_nodes() == NUM_WORKER_NODES + 1,
+                   timeout=120)
 
-    def _check_alive(self) -> None:
-        for p in self.procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"`{' '.join(p.args[:4])}` exited with {p.returncode}:\n{self.logs()}")
+    def _alive_nodes(self) -> int:
+        from ray.util.state.common import ListApiOptions, StateResource
 
-    def _wait_for_dashboard(self, timeout: float) -> None:
-        from ray.job_submission import JobSubmissionClient
+        nodes = self.state().list(
+            StateResource.NODES, options=ListApiOptions(filters=[("state", "=", "ALIVE")]),
+            raise_on_missing_output=False,
+        )
+        return len(nodes)
 
+    def _wait(self, what: str, ready, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        last = None
         while True:
-            self._check_alive()
+            for p in self.procs:
+                if p.poll() is not None:
+                    raise RuntimeError(f"`{' '.join(p.args[:4])}` exited with {p.returncode}:\n{self.logs()}")
             try:
-                JobSubmissionClient(self.dashboard_url).list_jobs()
-                return
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"dashboard at {self.dashboard_url} not up:\n{self.logs()}")
-                time.sleep(1)
-
-    def _wait_for_nodes(self, n: int, timeout: float) -> None:
-        from ray.util.state import list_nodes
-
-        deadline = time.monotonic() + timeout
-        while True:
-            self._check_alive()
-            try:
-                if len(list_nodes(address=self.dashboard_url, filters=[("state", "=", "ALIVE")])) >= n:
+                if ready():
                     return
-            except Exception:
-                pass
+            except Exception as e:  # not up yet
+                last = e
             if time.monotonic() > deadline:
-                raise TimeoutError(f"fewer than {n} nodes joined:\n{self.logs()}")
+                raise TimeoutError(f"no {what} within {timeout} s (last error: {last!r}):\n{self.logs()}")
             time.sleep(1)
 
     def logs(self) -> str:
@@ -224,8 +239,8 @@ def _submit(cluster: RayStartCluster, *train_args: str) -> str:
     # The interpreter running the tests: the cluster's own, which has
     # ray_elastic installed; a user's entrypoint would say `python`.
     entrypoint = [sys.executable, "examples/train_lm.py", *train_args]
-    out = _ray("job", "submit", "--address", cluster.dashboard_url, "--working-dir", ROOT,
-               "--no-wait", "--", *entrypoint, timeout=120)
+    out = cluster.ray("job", "submit", "--address", cluster.dashboard_url, "--working-dir", ROOT,
+                      "--no-wait", "--", *entrypoint, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     found = re.search(r"raysubmit_\w+", out.stdout + out.stderr)
     assert found, out.stdout + out.stderr
@@ -235,24 +250,24 @@ def _submit(cluster: RayStartCluster, *train_args: str) -> str:
 def _wait_for(cluster: RayStartCluster, job_id: str, timeout: float, until_log: str | None = None) -> str:
     """Poll the job until it ends (or its logs contain `until_log`); return
     its status."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
+    from ray.job_submission import JobStatus
 
-    client = JobSubmissionClient(cluster.dashboard_url)
+    client = cluster.jobs()
     deadline = time.monotonic() + timeout
     while True:
         status = client.get_job_status(job_id)
         if status in (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED):
-            return status
+            return str(status.value)
         if until_log is not None and until_log in client.get_job_logs(job_id):
-            return status
+            return str(status.value)
         if time.monotonic() > deadline:
-            _ray("job", "stop", "--address", cluster.dashboard_url, job_id, timeout=30)
+            cluster.ray("job", "stop", "--address", cluster.dashboard_url, job_id, timeout=30)
             pytest.fail(f"job {job_id} still {status} after {timeout} s; logs:\n{_logs(cluster, job_id)[-5000:]}")
         time.sleep(0.5)
 
 
 def _logs(cluster: RayStartCluster, job_id: str) -> str:
-    out = _ray("job", "logs", "--address", cluster.dashboard_url, job_id, timeout=60)
+    out = cluster.ray("job", "logs", "--address", cluster.dashboard_url, job_id, timeout=60)
     assert out.returncode == 0, out.stderr
     return out.stdout
 
@@ -279,20 +294,23 @@ def test_job_with_injected_fault_recovers(ray_cluster):
 
 def _slice_worker_pid(cluster: RayStartCluster, slice_id: int) -> int:
     """The pid of the live SliceWorker of a slice, found as an operator
-    would: the slice's placement group is named `<run>-slice<N>`."""
-    from ray.util.state import list_actors, list_placement_groups
+    would with `ray list actors --detail` and `ray list placement-groups`:
+    a slice's placement group is named `<run>-slice<N>`."""
+    import json
 
-    groups = {
-        g.placement_group_id: g.name
-        for g in list_placement_groups(address=cluster.dashboard_url, filters=[("state", "=", "CREATED")])
-    }
-    actors = list_actors(
-        address=cluster.dashboard_url, detail=True,
-        filters=[("class_name", "=", "SliceWorker"), ("state", "=", "ALIVE")],
-    )
-    pids = [a.pid for a in actors if groups.get(a.placement_group_id, "").endswith(f"-slice{slice_id}") and a.pid]
+    def listed(*args: str) -> list[dict]:
+        out = cluster.ray("list", *args, "--address", cluster.dashboard_url, "--detail", "--format", "json")
+        assert out.returncode == 0, out.stdout + out.stderr
+        return json.loads(out.stdout)
+
+    groups = {g["placement_group_id"]: g["name"] for g in listed("placement-groups", "-f", "state=CREATED")}
+    actors = listed("actors", "-f", "class_name=SliceWorker", "-f", "state=ALIVE")
+    pids = [
+        a["pid"] for a in actors
+        if groups.get(a.get("placement_group_id"), "").endswith(f"-slice{slice_id}") and a.get("pid")
+    ]
     assert len(pids) == 1, (groups, actors)
-    return pids[0]
+    return int(pids[0])
 
 
 def test_job_survives_worker_killed_from_outside(ray_cluster):

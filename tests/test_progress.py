@@ -50,12 +50,15 @@ def _wait_for(pred, timeout=5.0):
     return False
 
 
-def _progress_threads():
-    return [t for t in threading.enumerate() if t.name == "ray_elastic-progress" and t.is_alive()]
+def _start(p: ProgressCallback, trainer) -> list:
+    """on_start, returning the refresher threads it started."""
+    before = set(threading.enumerate())
+    p.on_start(trainer)
+    return [t for t in threading.enumerate() if t not in before]
 
 
-def _run_with_failure(p: ProgressCallback, clock: FakeClock, stream: FakeStream, check_wait=None):
-    p.on_start(_trainer())
+def _run_with_failure(p: ProgressCallback, clock: FakeClock, stream: FakeStream, check_wait=None) -> list:
+    threads = _start(p, _trainer())
     p.on_event({"t": 0.1, "event": "reserve", "slices": 2})
     p.on_event({"t": 2.0, "event": "start", "slices": [0, 1]})
     for s in range(1, 4):
@@ -76,6 +79,7 @@ def _run_with_failure(p: ProgressCallback, clock: FakeClock, stream: FakeStream,
     p.on_event({"t": 12.0, "event": "end", "steps": 10})
     rec = FailureRecord(kind="process_died", slice=1, host=0, step=3, detected_s=0.2, recovered_s=6.9)
     p.on_end(_report(failures=[rec]))
+    return threads
 
 
 def test_terminal_live_line_and_waiting_counter():
@@ -87,11 +91,12 @@ def test_terminal_live_line_and_waiting_counter():
         # The background thread redraws the waiting line as time passes,
         # with no hook being called.
         clock.now += 7
-        assert _wait_for(lambda: "waiting 7 s for slice 1 (timeout 120 s)" in stream.getvalue()), stream.getvalue()[-300:]
+        assert _wait_for(lambda: "waiting 7 s for slice 1 (timeout 2m00s)" in stream.getvalue()), stream.getvalue()[-300:]
         clock.now += 5
         assert _wait_for(lambda: "waiting 12 s for slice 1" in stream.getvalue())
 
-    _run_with_failure(p, clock, stream, check_wait)
+    threads = _run_with_failure(p, clock, stream, check_wait)
+    assert len(threads) == 1
     out = stream.getvalue()
     # A live line redrawn in place with carriage return + clear-to-end-of-line.
     assert "\r\x1b[K" in out
@@ -104,7 +109,7 @@ def test_terminal_live_line_and_waiting_counter():
     # The summary ends the output; nothing is redrawn after it.
     assert out.endswith("done: 10/10 steps, final loss 1.2345, 1 failure(s) (recovered in 6.9 s), wall 12.0 s, goodput 0.75\n")
     # The refresher stopped at on_end.
-    assert not _progress_threads()
+    assert not threads[0].is_alive()
     time.sleep(0.1)
     assert stream.getvalue() == out
 
@@ -117,10 +122,9 @@ def test_not_a_terminal_only_important_lines():
     def check_wait():
         clock.now += 7
         time.sleep(0.1)
-        assert "waiting 7 s" not in stream.getvalue()  # no live line, no thread
-        assert not _progress_threads()
+        assert "waiting 7 s" not in stream.getvalue()  # no live line
 
-    _run_with_failure(p, clock, stream, check_wait)
+    assert _run_with_failure(p, clock, stream, check_wait) == []  # no thread
     lines = stream.getvalue().splitlines()
     assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue()
     assert not any(line.startswith("step ") for line in lines)  # no per-step chatter
@@ -151,14 +155,14 @@ def test_failed_run_and_shrink_lines():
 def test_terminal_all_events_mode_prints_every_event():
     stream = FakeStream(tty=True)
     p = ProgressCallback(5, stream=stream, events="all", refresh_s=10)
-    p.on_start(_trainer(steps=5))
+    threads = _start(p, _trainer(steps=5))
     p.on_event({"t": 0.5, "event": "reserve", "slices": 2})
     p.on_event({"t": 1.0, "event": "start", "slices": [0, 1]})
     p.on_step(1, {"loss": 3.0, "slices": 2, "step_s": 0.2})
     p.on_end(_report(steps=5, done=1))
     out = stream.getvalue()
     assert "reserve: slices=2\n" in out and "start: slices=[0, 1]\n" in out
-    assert not _progress_threads()
+    assert len(threads) == 1 and not threads[0].is_alive()
 
 
 def test_bad_events_mode_rejected():

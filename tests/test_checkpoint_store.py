@@ -1,0 +1,168 @@
+"""The checkpoint store against local disk and a real GCS-compatible server
+(fake-gcs-server): commit, keep, incomplete steps after a writer killed
+mid-write, storage down at start, failed saves not cached."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+from ray_elastic.checkpoints import CheckpointConfig, CheckpointStore, StorageError
+from ray_elastic.errors import ConfigError
+
+
+@pytest.fixture(params=["local", "gcs"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "ckpt")
+    request.getfixturevalue("gcs")
+    return f"gs://ckpt/{uuid.uuid4().hex[:8]}"
+
+
+def _state(k: float, n: int = 4):
+    return {"params": {"w": np.full((n, 3), k, np.float32)}, "opt_state": [np.asarray(int(k), np.int32)]}
+
+
+def test_save_restore_and_keep(root):
+    store = CheckpointStore(root, keep=2)
+    store.preflight()
+    for k in (1, 2, 3):
+        info = store.save(k, _state(k), {"seed": 0})
+        assert info["step"] == k and info["bytes"] > 0
+    assert store.committed_steps() == [2, 3]  # keep=2 dropped step 1
+    state, meta = store.restore()
+    assert meta == {"seed": 0}
+    np.testing.assert_array_equal(state["params"]["w"], np.full((4, 3), 3.0, np.float32))
+    assert store.read_meta(3) == {"seed": 0}
+
+
+def test_writer_killed_mid_write_leaves_nothing_that_blocks(root, tmp_path):
+    """SIGKILL a process while it writes a step: the half-written step is
+    listed as uncommitted, never restored, swept before the next save, and
+    both a restore and a later save work."""
+    store = CheckpointStore(root, keep=5)
+    store.save(1, _state(1.0), {"seed": 0})
+    script = tmp_path / "writer.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, numpy as np
+        sys.path.insert(0, {os.getcwd()!r})
+        from ray_elastic.checkpoints import CheckpointStore
+        big = {{"params": {{f"w{{i}}": np.random.default_rng(i).standard_normal((1024, 1024)).astype(np.float32) for i in range(64)}},
+               "opt_state": [np.asarray(2, np.int32)]}}
+        print("writing", flush=True)
+        CheckpointStore({root!r}, retries=0).save(2, big, {{"seed": 0}})
+        print("done", flush=True)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until step 2 has started to appear
+            if any(s.step == 2 for s in store.steps()):
+                break
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    steps = store.steps()
+    assert any(s.step == 2 and not s.committed for s in steps), steps
+    assert store.latest_committed() == 1
+    state, _ = store.restore()  # not blocked by the half-written step
+    assert int(state["opt_state"][0]) == 1
+    assert all(s.committed for s in store.steps())  # swept
+    store.save(3, _state(3.0), {"seed": 0})
+    assert store.committed_steps() == [1, 3]
+
+
+def test_missing_bucket_is_a_clear_error(gcs):
+    with pytest.raises(StorageError, match="does not exist"):
+        CheckpointStore("gs://no-such-bucket/run").preflight(timeout_s=20)
+
+
+def test_server_down_at_start_is_a_bounded_clear_error(gcs):
+    gcs.pause()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="no answer"):
+            CheckpointStore("gs://ckpt/down").preflight(timeout_s=2)
+        assert time.monotonic() - t0 < 10
+    finally:
+        gcs.resume()
+
+
+def test_unwritable_local_path(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(StorageError, match="cannot write"):
+        CheckpointStore(str(blocker / "sub")).preflight()
+
+
+def test_failed_save_is_not_cached(gcs):
+    """A save that failed while the server was away must not make later
+    saves skip (a known failure elsewhere): each save starts afresh."""
+    root = f"gs://ckpt/{uuid.uuid4().hex[:8]}"
+    store = CheckpointStore(root, retries=0)
+    store.save(1, _state(1.0), {})
+    gcs.stop()
+    try:
+        with pytest.raises(Exception):
+            store.save(2, _state(2.0), {})
+    finally:
+        gcs.start()
+    store.save(3, _state(3.0), {})
+    assert 3 in store.committed_steps()
+    state, _ = store.restore(3)
+    assert int(state["opt_state"][0]) == 3
+
+
+def test_transient_error_is_retried_with_backoff(tmp_path):
+    """A write that fails for real (its folder's parent is a file for a
+    moment) is retried after a backoff, and lands."""
+    blocker = tmp_path / "blocked"
+    blocker.write_text("not a folder")
+    waits = []
+
+    def sleep(s):
+        waits.append(s)
+        if len(waits) == 1:
+            blocker.unlink()  # the outage ends during the first backoff
+
+    store = CheckpointStore(str(blocker / "ckpt"), retries=3, backoff_s=0.25, sleep=sleep)
+    info = store.save(1, _state(1.0), {})
+    assert info["step"] == 1 and store.committed_steps() == [1]
+    assert waits == [0.25]
+
+
+def test_persistent_error_gives_up_after_retries(tmp_path):
+    blocker = tmp_path / "blocked"
+    blocker.write_text("not a folder")
+    waits = []
+    store = CheckpointStore(str(blocker / "ckpt"), retries=2, backoff_s=0.1, sleep=waits.append)
+    with pytest.raises(StorageError, match="after 3 attempts"):
+        store.save(1, _state(1.0), {})
+    assert waits == [0.1, 0.2]  # doubling backoff
+
+
+@pytest.mark.parametrize(
+    "bad, setting",
+    [
+        (dict(path=""), "checkpoint.path"),
+        (dict(path="s3://bucket/x"), "checkpoint.path"),
+        (dict(path="gs:///x"), "checkpoint.path"),
+        (dict(path="/tmp/x", keep=0), "checkpoint.keep"),
+        (dict(path="/tmp/x", save_every=-1), "checkpoint.save_every"),
+        (dict(path="/tmp/x", retry_backoff_s=-1), "checkpoint.retry_backoff_s"),
+    ],
+)
+def test_config_validation(bad, setting):
+    with pytest.raises(ConfigError) as info:
+        CheckpointConfig(**bad)
+    assert info.value.setting == setting
