@@ -361,7 +361,12 @@ def run_raytrain(
 
     # Ray Train reads these in the driver and passes them on to its
     # controller and workers.
-    env = {"RAY_TRAIN_V2_ENABLED": "1"}
+    env = {
+        "RAY_TRAIN_V2_ENABLED": "1",  # the default in ray 2.60; explicit
+        # Ray's state API (LocalCluster.remove_node lists the node's actors)
+        # must find this cluster even when other Ray clusters run here.
+        "RAY_ADDRESS": cluster.address,
+    }
     if hang_timeout_s is not None:
         env["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(hang_timeout_s)
     if health_check_interval_s is not None:
@@ -414,7 +419,7 @@ def run_raytrain(
                     cluster.add_node()
             if time.time() - t0 > time_limit_s:
                 notes.append(f"ended by the bench's time limit ({time_limit_s:.0f} s)")
-                _abort_train_run(stopped)
+                _abort_train_run(cluster.address, stopped)
                 thread.join(60)
                 break
             time.sleep(_POLL_S)
@@ -451,15 +456,16 @@ def run_raytrain(
     return out
 
 
-def _abort_train_run(stopped: list[int]) -> None:
-    """End a Ray Train run that outlived the bench's limit: thaw nothing,
-    kill the frozen worker and the run's controller (its workers and
-    placement group share its fate)."""
+def _abort_train_run(address: str, stopped: list[int]) -> None:
+    """End a Ray Train run that outlived the bench's limit: kill the frozen
+    worker and the run's controller (its workers and placement group share
+    its fate), by pid."""
     from ray.util.state import list_actors
 
     for pid in stopped:
         _kill_quietly(pid)
-    for actor in list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]):
+    alive = [("class_name", "=", "TrainController"), ("state", "=", "ALIVE")]
+    for actor in list_actors(address=address, filters=alive):
         if getattr(actor, "pid", None):
             _kill_quietly(int(actor.pid))
 

@@ -1,6 +1,8 @@
 """ray_elastic: keep multi-slice JAX training alive through hardware
 failures, with the Ray driver as the single controller."""
 
+from ray_elastic.callbacks import Callback
+from ray_elastic.checkpoints import CheckpointConfig, CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
 from ray_elastic.controller import ElasticTrainer
 from ray_elastic.errors import (
@@ -21,6 +23,10 @@ from ray_elastic.program import TrainProgram
 from ray_elastic.report import FailureRecord, RunReport
 
 __all__ = [
+    "Callback",
+    "CheckpointConfig",
+    "CheckpointStorageFailed",
+    "StorageError",
     "CpuSlice",
     "GpuSlice",
     "TpuSlice",

@@ -85,7 +85,7 @@ class CheckpointCoordinator:
                 num_cpus=0,
                 # Next to the driver: it shares the driver's fate anyway,
                 # and never competes with a slice for its node.
-                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True),
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
                 runtime_env={"env_vars": env},
             ).remote(self.config.path, self.config.keep, self.config.storage_retries, self.config.retry_backoff_s)
         return self._writer
@@ -97,12 +97,19 @@ class CheckpointCoordinator:
         """Learn the state's tree structure once, kept on the driver's node."""
         if self._template_ref is None:
             self._template_ref = ray.put(ray.get(worker.state_template.remote()))
+        self._writer_handle().pid.remote()  # start it now, off the first save's clock
 
     # -- restore ----------------------------------------------------------------
 
     def restore_ref(self, step: Optional[int] = None):
         """An object ref that resolves to the state of a committed step."""
-        return self._writer_handle().restore.remote(step, self._template_ref)
+        writer = self._writer_handle()
+        try:
+            ray.get(writer.pid.remote(), timeout=30)
+        except rex.RayError:
+            self._writer = None  # it died: restore through a new one
+            writer = self._writer_handle()
+        return writer.restore.remote(step, self._template_ref)
 
     def latest_committed(self) -> Optional[int]:
         try:

@@ -145,6 +145,18 @@ def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
         pool.shutdown(wait=False)
 
 
+def refresh_listings() -> None:
+    """Forget gcsfs's cached directory listings in this process: another
+    process (the writer, a killed writer) may have changed the bucket."""
+    try:
+        import gcsfs
+    except ImportError:
+        return
+    # Every cached instance: etils builds its own, with other arguments.
+    for fs in list(getattr(gcsfs.GCSFileSystem, "_cache", {}).values()):
+        fs.invalidate_cache()
+
+
 class CheckpointStore:
     """Orbax checkpoints of one run under one path."""
 
@@ -192,14 +204,8 @@ class CheckpointStore:
         _bounded(probe, timeout_s, f"checkpoint.path {self.path}")
 
     def _fresh_listing(self) -> None:
-        """gcsfs caches directory listings per process; another process
-        (a writer, a killed writer) may have changed the bucket since."""
         if self.path.startswith("gs://"):
-            import gcsfs
-
-            # Every cached instance: etils builds its own with other args.
-            for fs in list(getattr(gcsfs.GCSFileSystem, "_cache", {}).values()):
-                fs.invalidate_cache()
+            refresh_listings()
 
     def steps(self) -> list[StepInfo]:
         """Every step folder, committed or not, oldest first."""
@@ -323,12 +329,13 @@ def _tree_size(path, depth: int = 6) -> tuple[int, float]:
 
 
 def unflatten(flat, template) -> dict:
-    """Rebuild the state tree from a snapshot's flat buffer, given the tree
-    of ShapeDtypeStructs it was raveled from (jax.flatten_util order)."""
+    """Rebuild the state tree from a snapshot's flat buffer. The buffer is
+    `ravel_pytree((params, opt_state))`, so its order is that tuple's leaf
+    order (not the order of a dict with those two keys)."""
     import jax
     import numpy as np
 
-    leaves, treedef = jax.tree.flatten(template)
+    leaves, treedef = jax.tree.flatten((template["params"], template["opt_state"]))
     out, offset = [], 0
     for leaf in leaves:
         n = int(np.prod(leaf.shape, dtype=np.int64))
@@ -336,7 +343,8 @@ def unflatten(flat, template) -> dict:
         offset += n
     if offset != flat.shape[0]:
         raise ValueError(f"snapshot has {flat.shape[0]} values, the state template needs {offset}")
-    return jax.tree.unflatten(treedef, out)
+    params, opt_state = jax.tree.unflatten(treedef, out)
+    return {"params": params, "opt_state": opt_state}
 
 
 class CheckpointWriter:

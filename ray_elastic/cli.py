@@ -75,9 +75,11 @@ def _demo(args: argparse.Namespace) -> int:
     # In a terminal a live progress line shows the run and prints the events
     # above it; elsewhere (logs, CI) the plain lines below do.
     live = sys.stdout.isatty()
-    callbacks = [MetricsCallback(f"demo-{os.getpid()}")]
-    if live:
-        callbacks.append(ProgressCallback(args.steps, stream=sys.stdout, events="all"))
+    metrics = MetricsCallback(f"demo-{os.getpid()}")  # on the head node's Prometheus endpoint
+    callbacks = [metrics]
+    progress = ProgressCallback(args.steps, stream=sys.stdout, events="all") if live else None
+    if progress is not None:
+        callbacks.append(progress)
     if args.events:
         callbacks.append(EventLog(args.events))
 
@@ -92,7 +94,9 @@ def _demo(args: argparse.Namespace) -> int:
         trigger = "wait" if args.policy == "pause" else "recovered"
         if name == trigger and lost_node["pending"]:
             lost_node["pending"] = False
-            if not live:
+            if progress is not None:
+                progress.message("  adding a replacement node to the cluster")
+            else:
                 print("  adding a replacement node to the cluster", flush=True)
             cluster.add_node()
 
@@ -111,6 +115,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"run failed: {e}", file=sys.stderr)
         report, rc = trainer.report, 1
     finally:
+        metrics.close()
         cluster.shutdown()
 
     print("\nsummary")

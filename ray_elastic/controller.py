@@ -116,6 +116,7 @@ class ElasticTrainer:
                 checkpoint, {"seed": config.seed, "num_slices": config.num_slices}, self._event
             )
         self._preempt_reason: Optional[str] = None
+        self._failed_joins = 0
         self._drain_checked = 0.0
         self._t0 = 0.0
 
@@ -262,17 +263,21 @@ class ElasticTrainer:
         if isinstance(d, Fail):
             raise d.error
         if isinstance(d, Grow):
-            self._join(sorted(d.slices - set(self.live)))
-            self.waiting_since = None
-            return bool(self.live)
+            if self._join(sorted(d.slices - set(self.live))):
+                self.waiting_since = None
+            return bool(self.live) and self.waiting_since is None
         if isinstance(d, Wait):
             self._poll_coming(block_s=0.25)
             return False
         return True  # Continue
 
-    def _join(self, new: list[int]) -> None:
+    def _join(self, new: list[int]) -> bool:
+        """Load the state into ready slices and make them live. False if
+        the load failed: a joiner that died is queued again; if the joiners
+        are fine, the state's source was bad (a snapshot copy on a node that
+        just went) and is dropped, so the next try takes the next-newest."""
         if not new:
-            return
+            return True
         source = self._state_source()
         refs = []
         for s in new:
@@ -280,18 +285,30 @@ class ElasticTrainer:
                 refs += [w.load_state.remote(source) for w in self.ready[s].workers]
         try:
             ray.get(refs, timeout=max(30.0, self.config.first_step_deadline_s))
-        except (rex.RayActorError, rex.ObjectLostError, rex.GetTimeoutError, rex.RayTaskError) as e:
-            if isinstance(e, (rex.RayTaskError, rex.ObjectLostError)):
-                self._snapshots.discard_latest()  # that copy is unusable
-            log.warning("slices %s failed while loading state (%s); re-queued", new, e)
-            for s in new:
+        except rex.RayError as e:
+            dead = [s for s in new if not _answers(self.ready[s].workers)]
+            if not dead:
+                self._snapshots.discard_latest()
+            for s in dead:
                 RaySlices.kill(self.ready.pop(s).workers)
                 self.coming[s] = self._slices.start(s)
-            return
+            log.warning("loading state into slices %s failed (%s); %s", new, _short(e),
+                        f"re-queued {dead}" if dead else "trying an older copy")
+            self._failed_joins += 1
+            if self._failed_joins >= 5:
+                raise RunFailed(
+                    f"slices {new} failed to load the training state {self._failed_joins} times in a row "
+                    f"(last: {_short(e)}). The cluster may be losing nodes faster than it recovers; "
+                    "check node health, or raise max_retries once it is stable.",
+                    setting="max_retries",
+                ) from e
+            return False
+        self._failed_joins = 0
         for s in new:
             self.live[s] = self.ready.pop(s)
         self._fresh = True
         self._event("grow", joined=new, slices=sorted(self.live), step=self.step)
+        return True
 
     def _state_source(self):
         """Where joining slices load the state of `self.step` from: the
@@ -664,6 +681,14 @@ class ElasticTrainer:
         if self._ckpt is not None:
             self._ckpt.shutdown()
         self._slices.shutdown()
+
+
+def _answers(workers: list, timeout_s: float = 2.0) -> bool:
+    try:
+        ray.get([w.ping.remote() for w in workers], timeout=timeout_s)
+        return True
+    except rex.RayError:
+        return False
 
 
 def _short(e: BaseException) -> str:

@@ -28,6 +28,14 @@ FAST_FAILURE_DETECTION = {
 }
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class LocalCluster:
     def __init__(self, num_nodes: int, cpus_per_node: int = 1, object_store_mb: int = 200):
         self._cpus = cpus_per_node
@@ -36,6 +44,8 @@ class LocalCluster:
             initialize_head=True,
             head_node_args={
                 "num_cpus": 0,
+                # A free port: another cluster on this machine may hold 8265.
+                "dashboard_port": _free_port(),
                 "object_store_memory": self._store,
                 "_system_config": FAST_FAILURE_DETECTION,
             },
@@ -55,7 +65,7 @@ class LocalCluster:
 
     def remove_node(self, node_id: str) -> None:
         node = self.nodes.pop(node_id)
-        pids = _worker_pids_on(node_id)
+        pids = _worker_pids_on(node)
         self.cluster.remove_node(node, allow_graceful=False)
         for pid in pids:
             try:
@@ -73,12 +83,16 @@ class LocalCluster:
         self.cluster.shutdown()
 
 
-def _worker_pids_on(node_id: str) -> list[int]:
-    from ray.util.state import list_actors
+def _worker_pids_on(node) -> list[int]:
+    """The worker processes of a node: the raylet's descendants. (Asking
+    Ray's state API would need the dashboard, which may not be up.)"""
+    import psutil
+    from ray._private import ray_constants
 
     pids = []
-    for actor in list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")]):
-        pid = getattr(actor, "pid", None)
-        if pid:
-            pids.append(int(pid))
+    for info in node.all_processes.get(ray_constants.PROCESS_TYPE_RAYLET, []):
+        try:
+            pids += [c.pid for c in psutil.Process(info.process.pid).children(recursive=True)]
+        except psutil.NoSuchProcess:
+            pass
     return pids

@@ -196,6 +196,11 @@ class ProgressCallback(Callback):
             )
             self._print(lines, redraw=False)
 
+    def message(self, text: str) -> None:
+        """Print a line of one's own (above the live line in a terminal)."""
+        with self._lock:
+            self._print([text], redraw=self.tty and self._mode != "done")
+
     # -- drawing ---------------------------------------------------------------------
 
     def _set_mode(self, mode: str) -> None:

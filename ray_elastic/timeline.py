@@ -205,6 +205,9 @@ def draw_timeline(tl: RunTimeline, out: str, title: Optional[str] = None) -> str
     # Spans: fault (or detection) -> recovered is down/degraded time; wait ->
     # grow is the wait for a replacement.
     spans = []
+    t_first = next((float(e["t"]) for e in tl.events if e["event"] == "start"), None)
+    if t_first is not None and t_first > 0:
+        spans.append((0.0, t_first, "#c7c7c7", "starting (slices placed, workers up)"))
     open_fault: Optional[float] = None
     open_wait: Optional[float] = None
     for e in tl.events:
@@ -289,7 +292,13 @@ def draw_timeline(tl: RunTimeline, out: str, title: Optional[str] = None) -> str
         ax2.tick_params(axis="y", colors="#c2188f")
 
     if lax is not None:
-        pts = [(p.t, p.loss) for p in tl.steps if p.loss is not None]
+        pts = []
+        for p in tl.steps:
+            if p.loss is None:
+                continue
+            if pts and p.step_s is not None and p.t - p.step_s > pts[-1][0]:
+                pts.append((p.t - p.step_s, pts[-1][1]))  # no new loss across a stall
+            pts.append((p.t, p.loss))
         lax.plot([p[0] for p in pts], [p[1] for p in pts], color="#444444", lw=1.4, zorder=3)
         lax.set_ylabel("loss")
         lax.grid(True, alpha=0.25)

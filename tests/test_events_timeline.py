@@ -3,7 +3,7 @@ calls (no Ray)."""
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
 import struct
 import subprocess
@@ -99,6 +99,12 @@ def _simulate(callbacks, clock: FakeClock, steps=30, fail_at=10, policy="pause",
     for cb in callbacks:
         cb.on_end(report)
     return report
+
+
+# The timeline needs matplotlib (the "bench" extra, which CI installs).
+needs_matplotlib = pytest.mark.skipif(
+    importlib.util.find_spec("matplotlib") is None, reason="matplotlib not installed"
+)
 
 
 def _assert_png(path, min_bytes=20_000):
@@ -227,6 +233,7 @@ def test_report_timeline_rebuilds_step_times(run_files):
     assert [p.slices for p in rebuilt.steps] == report.slices_per_step
 
 
+@needs_matplotlib
 def test_cli_timeline_from_events_file(run_files, capsys):
     d, events, _, _ = run_files
     out = d / "from_events.png"
@@ -235,6 +242,7 @@ def test_cli_timeline_from_events_file(run_files, capsys):
     _assert_png(out)
 
 
+@needs_matplotlib
 def test_cli_timeline_from_report(run_files):
     d, _, rep, _ = run_files
     out = d / "from_report.png"
@@ -246,6 +254,7 @@ def test_cli_timeline_from_report(run_files):
     _assert_png(d / "run.png")
 
 
+@needs_matplotlib
 def test_cli_timeline_resize_run(tmp_path):
     clock = FakeClock()
     events = tmp_path / "resize.jsonl"
@@ -254,6 +263,7 @@ def test_cli_timeline_resize_run(tmp_path):
     _assert_png(tmp_path / "r.png")
 
 
+@needs_matplotlib
 def test_cli_timeline_as_a_process(run_files, tmp_path):
     """The real command line: `python -m ray_elastic.cli timeline ...`."""
     _, events, _, _ = run_files

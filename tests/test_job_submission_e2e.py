@@ -134,7 +134,9 @@ class RayStartCluster:
 
     def _start(self, name: str, args: list[str]) -> None:
         log = open(os.path.join(self.temp_dir, f"{name}.log"), "w")
-        cmd = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
+        # A temp dir per node, as on separate machines: nodes on one machine
+        # sharing one would race for the same socket names.
+        cmd = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={self.temp_dir}/{name}",
                f"--object-store-memory={OBJECT_STORE_BYTES}", *args]
         # start_new_session: each node is its own process group, so it can
         # be stopped as a whole, and a ^C in pytest reaches none of them.
@@ -188,27 +190,29 @@ class RayStartCluster:
     def logs(self) -> str:
         out = []
         for name in sorted(os.listdir(self.temp_dir)):
-            if name.endswith(".log"):
+            if name.endswith(".log"):  # what each `ray start` printed
                 with open(os.path.join(self.temp_dir, name), errors="replace") as f:
                     out.append(f"--- {name}\n{f.read()[-3000:]}")
         return "\n".join(out)
 
-    def stop(self) -> list[int]:
+    def stop(self, grace_s: float = 10.0) -> list[int]:
         """Stop every node (workers first), then anything of ours left.
         Returns the pids still alive afterwards (should be none)."""
         for p in reversed(self.procs):  # SIGTERM: `ray start --block` stops its processes
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for p in reversed(self.procs):
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-            try:
+            try:  # the whole group, whether or not its leader is gone
                 os.killpg(p.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             p.wait(timeout=10)
+        # Core workers and the job's driver may sit outside those groups.
         deadline = time.monotonic() + 20
         while (left := _pids_using(self.temp_dir)) and time.monotonic() < deadline:
             for pid in left:
@@ -222,8 +226,8 @@ class RayStartCluster:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    # Short, own temp dir: Ray's socket paths must stay under 108 bytes, and
-    # everything of this cluster (sessions, logs, sockets) stays in it.
+    # A short folder of our own: Ray's socket paths must stay under 108
+    # bytes, and everything of this cluster (sessions, logs, sockets) is in it.
     temp_dir = tempfile.mkdtemp(prefix="re-job-", dir="/tmp")
     cluster = RayStartCluster(temp_dir)
     try:

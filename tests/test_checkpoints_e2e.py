@@ -1,0 +1,271 @@
+"""Durable checkpoints end to end, on a real local cluster, against local
+disk and a real GCS-compatible server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import numpy as np
+import pytest
+import ray
+
+from ray_elastic import CheckpointConfig, ConfigError, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic.callbacks import FunctionCallback
+from ray_elastic.checkpoints import CheckpointStore, refresh_listings
+
+pytestmark = pytest.mark.cluster
+
+DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "ckpt_driver.py")
+
+
+def _leaves(state):
+    import jax
+
+    return jax.tree.leaves((state["params"], state["opt_state"]))
+
+
+def _assert_equal(a, b):
+    assert a["step"] == b["step"]
+    for x, y in zip(_leaves(a), _leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture(scope="module")
+def reference(cluster, lm_factory):
+    """Failure-free, checkpoint-free run of 16 steps (pause, 2 slices)."""
+    t = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), 16, keep_final_state=True)
+    t.fit()
+    return t.final_state
+
+
+def _trainer(factory, steps, path, **kw):
+    ck = {k: kw.pop(k) for k in list(kw) if k in ("save_every", "keep", "continuous", "max_failed_saves", "storage_retries", "retry_backoff_s")}
+    config = kw.pop("config", ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=2.0))
+    remove = kw.pop("cluster_remove", None)
+    return ElasticTrainer(
+        factory, config, steps, checkpoint=CheckpointConfig(path, **ck), keep_final_state=True,
+        remove_node=remove, **kw,
+    )
+
+
+@pytest.mark.parametrize("storage", ["local", "gcs"])
+def test_cold_start_after_cluster_torn_down(storage, nodes, lm_factory, reference, tmp_path, request):
+    """Job 1 runs on its own cluster, which is then torn down entirely. Job
+    2, a new driver on another cluster, resumes from the newest committed
+    step and ends bitwise equal to a run that never stopped."""
+    if storage == "gcs":
+        request.getfixturevalue("gcs")
+        path = f"gs://ckpt/{uuid.uuid4().hex[:8]}"
+    else:
+        path = str(tmp_path / "ckpt")
+    out = subprocess.run(
+        [sys.executable, DRIVER, "--path", path, "--steps", "10", "--save-every", "4", "--report", str(tmp_path / "r1.json")],
+        capture_output=True, text=True, timeout=240, env=os.environ.copy(),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "EXIT completed" in out.stdout
+    assert CheckpointStore(path).latest_committed() == 10
+
+    nodes(2)
+    trainer = _trainer(lm_factory, 16, path, save_every=4)
+    report = trainer.fit()
+    assert report.resumed_from == 10
+    assert report.steps_completed == 16
+    assert any(e["event"] == "restore" and e.get("cold_start") for e in report.events)
+    _assert_equal(trainer.final_state, reference)
+    # Users are not locked in: plain Orbax reads it back.
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    import jax
+
+    refresh_listings()  # this process listed the bucket before the writes
+    plain = ocp.StandardCheckpointer().restore(epath.Path(path) / "16" / "state")
+    ours = jax.tree.leaves(trainer.final_state["params"])
+    theirs = jax.tree.leaves(plain["params"])
+    assert len(ours) == len(theirs) > 0
+    for x, y in zip(ours, theirs):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_every_node_lost_restores_from_checkpoint(nodes, lm_factory, reference, tmp_path):
+    """Both slices' nodes go in the same step: every in-memory snapshot goes
+    with them, so the newest state left is the committed checkpoint (step
+    6), and the run resumes from it, ending where a run without failures
+    ends."""
+    cluster = nodes(2)
+    added = []
+
+    def on_event(e):
+        if e["event"] == "wait" and not added:
+            added.extend([cluster.add_node(), cluster.add_node()])
+
+    trainer = _trainer(
+        lm_factory, 16, str(tmp_path / "ck"), save_every=6, cluster_remove=cluster.remove_node,
+        faults=(Fault("remove_node", 0, 8), Fault("remove_node", 1, 8)),
+    )
+
+    def on_step(step, loss, slices):
+        if step == 7:  # let step 6's checkpoint commit before the nodes go
+            deadline = time.monotonic() + 60
+            while trainer._ckpt.last_saved != 6 and time.monotonic() < deadline:
+                trainer._ckpt.poll(block_s=0.5)
+
+    trainer._callbacks.append(FunctionCallback(on_step=on_step, on_event=on_event))
+    report = trainer.fit()
+    assert report.failures[-1].restored_from == "checkpoint"
+    assert any(e["event"] == "restore" and e["source"] == "checkpoint" and e["step"] == 6 for e in report.events)
+    assert max(f.steps_rewound for f in report.failures) == 3  # steps 7, 8 and the one in flight
+    _assert_equal(trainer.final_state, reference)
+
+
+def test_checkpoint_writer_killed_mid_write_is_recovered(nodes, lm_factory, gcs):
+    """The server freezes while step 4 is being written and the writer is
+    SIGKILLed mid-write: training goes on, a new writer takes over, the
+    half-written step never blocks anything, and the final step commits."""
+    nodes(2)
+    path = f"gs://ckpt/{uuid.uuid4().hex[:8]}"
+    trainer = _trainer(lm_factory, 20, path, save_every=4)
+    seen = {}
+
+    def on_step(step, loss, slices):
+        c = trainer._ckpt
+        if "pid" not in seen and c._writer is not None:
+            seen["pid"] = ray.get(c._writer.pid.remote(), timeout=60)
+        if step == 4:
+            gcs.pause()  # step 4's save, submitted right after this, hangs
+        if step == 6 and "killed" not in seen:
+            assert c.busy()
+            os.kill(seen["pid"], signal.SIGKILL)
+            seen["killed"] = True
+            gcs.resume()
+
+    trainer._callbacks.append(FunctionCallback(on_step=on_step))
+    try:
+        report = trainer.fit()
+    finally:
+        gcs.resume()
+    assert seen.get("killed")
+    failed = [e for e in report.events if e["event"] == "checkpoint_failed"]
+    assert failed and failed[0]["step"] == 4 and "died" in failed[0]["reason"]
+    store = CheckpointStore(path)
+    assert store.latest_committed() == 20
+    assert 4 not in store.committed_steps()
+    assert all(s.committed for s in store.steps())
+
+
+def test_sigterm_to_driver_checkpoints_last_step_and_exits_cleanly(tmp_path):
+    """A preemption notice by SIGTERM to the driver: the step in flight
+    finishes, is checkpointed and committed, and the driver exits 0. No
+    completed step is lost."""
+    path = str(tmp_path / "ck")
+    proc = subprocess.Popen(
+        [sys.executable, DRIVER, "--path", path, "--steps", "400", "--save-every", "50", "--report", str(tmp_path / "r.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy(),
+    )
+    last_step, sent_at, saved_at = 0, None, None
+    try:
+        for line in proc.stdout:
+            parts = line.split()
+            if parts[:1] == ["STEP"]:
+                last_step = int(parts[1])
+                if last_step == 8 and sent_at is None:
+                    sent_at = time.time()
+                    proc.send_signal(signal.SIGTERM)
+            elif parts[:2] == ["EVENT", "preempt_saved"]:
+                saved_at = float(parts[3])
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["outcome"] == "preempted"
+    assert CheckpointStore(path).latest_committed() == last_step == report["steps_completed"]
+    assert saved_at is not None and saved_at - sent_at < 5.0
+
+
+def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory, tmp_path):
+    """A Ray drain notice (preemption, 15 s deadline) for slice 1's node:
+    the last completed step is committed before the deadline, the slice is
+    taken out at a step boundary (no step redone), and a replacement node
+    brings the run back to two slices."""
+    from ray_elastic.drain import drain_node
+
+    cluster = nodes(2)
+    path = str(tmp_path / "ck")
+    trainer = _trainer(
+        lm_factory, 250, path, save_every=1000,
+        config=ElasticConfig(num_slices=2, policy="resize", step_deadline_floor_s=2.0),
+    )
+    seen = {}
+
+    def on_step(step, loss, slices):
+        if step == 6 and "node" not in seen:
+            seen["node"] = trainer.live[1].infos[0]["node_id"]
+            seen["t"] = time.time()
+            assert drain_node(seen["node"], deadline_s=15)
+
+    def on_event(e):
+        if e["event"] == "preempt_saved":
+            seen["saved"] = (time.time(), e["step"])
+        if e["event"] == "shrink" and "replaced" not in seen:
+            seen["replaced"] = True
+            cluster.remove_node(seen["node"])  # the cloud takes the node away
+            cluster.add_node()
+
+    trainer._callbacks.append(FunctionCallback(on_step=on_step, on_event=on_event))
+    report = trainer.fit()
+    f = report.failures[0]
+    assert f.kind == "preempted" and f.slice == 1 and f.steps_rewound == 0
+    saved_t, saved_step = seen["saved"]
+    assert saved_t - seen["t"] < 15.0
+    assert saved_step in CheckpointStore(path).committed_steps()
+    assert report.steps_completed == 250 and report.slices_per_step[-1] == 2
+
+
+def test_storage_down_mid_run_then_back(nodes, lm_factory, gcs):
+    """The GCS server is stopped mid-run and started again: training never
+    stops, saves fail or wait meanwhile, and later steps commit."""
+    nodes(2)
+    path = f"gs://ckpt/{uuid.uuid4().hex[:8]}"
+    trainer = _trainer(lm_factory, 150, path, save_every=10, storage_retries=6, retry_backoff_s=0.5, max_failed_saves=10)
+
+    def on_step(step, loss, slices):
+        if step == 12:
+            gcs.stop()
+        if step == 60:
+            gcs.start()
+
+    trainer._callbacks.append(FunctionCallback(on_step=on_step))
+    try:
+        report = trainer.fit()
+    finally:
+        if gcs.proc is None:
+            gcs.start()
+    assert report.steps_completed == 150
+    store = CheckpointStore(path)
+    assert store.latest_committed() == 150
+    assert 10 in store.committed_steps() or 20 in store.committed_steps() or store.committed_steps()
+
+
+def test_bucket_missing_fails_before_reserving(cluster, lm_factory, gcs):
+    before = len(ray.util.placement_group_table())
+    with pytest.raises(ConfigError, match="checkpoint.path") as info:
+        _trainer(lm_factory, 5, "gs://no-such-bucket/run").fit()
+    assert "does not exist" in str(info.value)
+    assert len(ray.util.placement_group_table()) == before
+
+
+def test_checkpoint_from_other_seed_is_refused(nodes, lm_factory, tmp_path):
+    nodes(2)
+    path = str(tmp_path / "ck")
+    _trainer(lm_factory, 4, path, save_every=2).fit()
+    other = ElasticConfig(num_slices=2, policy="pause", seed=7)
+    with pytest.raises(ConfigError, match="seed"):
+        _trainer(lm_factory, 8, path, config=other).fit()
