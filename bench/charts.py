@@ -59,6 +59,9 @@ def _title(run: dict) -> str:
         parts.append(f"redone {_fmt(run.get('steps_rewound'), 'd')}")
     if "goodput" in run:
         parts.append(f"goodput {_fmt(run.get('goodput'), '.0%')}")
+    if run.get("error") or any("time limit" in n for n in run.get("notes") or ()):
+        parts.append("did not finish" if run.get("steps_completed", 0) < run.get("steps_requested", 0)
+                     else "error")
     return head + (": " + ", ".join(parts) if parts else "")
 
 
@@ -97,7 +100,10 @@ def timeline_png(runs: list[dict], path: str, title: Optional[str] = None) -> st
             seen.add(event)
         ax.set_title(_title(run), fontsize=9, loc="left")
         ax.set_ylabel("step")
-        ax.set_xlim(left=0)
+        if run.get("wall_s"):  # show the whole run, e.g. a hang that was never resolved
+            ax.set_xlim(0, max([run["wall_s"]] + [t for t, _ in points]) * 1.01)
+        else:
+            ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         if points or seen:

@@ -423,7 +423,9 @@ def run_raytrain(
                 thread.join(60)
                 break
             time.sleep(_POLL_S)
-        thread.join()
+        thread.join(5.0)
+        if thread.is_alive():
+            notes.append("JaxTrainer.fit() had not returned when the bench gave up on it")
     finally:
         for pid in stopped:  # a frozen worker Ray did not clean up
             _kill_quietly(pid)
