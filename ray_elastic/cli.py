@@ -60,6 +60,9 @@ def _demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         step_deadline_floor_s=args.hang_floor,
     )  # validated here, before any process or node is started
+    from ray_elastic.checkpoints import CheckpointConfig
+
+    checkpoint = CheckpointConfig(args.checkpoint, save_every=args.save_every) if args.checkpoint else None
     fail_at = args.steps // 4 if args.fail_at is None else args.fail_at
     faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at),)
     lm = _example_lm()
@@ -106,7 +109,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     trainer = ElasticTrainer(
         factory, config, args.steps, faults=faults, remove_node=cluster.remove_node,
-        on_step=on_step, on_event=on_event, callbacks=callbacks,
+        on_step=on_step, on_event=on_event, callbacks=callbacks, checkpoint=checkpoint,
     )
     try:
         report = trainer.fit()
@@ -157,6 +160,45 @@ def _timeline(args: argparse.Namespace) -> int:
     return 0
 
 
+def _checkpoints(args: argparse.Namespace) -> int:
+    """List a run's checkpoint steps, committed or not."""
+    import datetime
+
+    from ray_elastic.checkpoints import CheckpointStore, StorageError
+
+    store = CheckpointStore(args.path)
+    try:
+        store.preflight() if args.check else None
+        steps = store.steps()
+    except StorageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        import dataclasses
+
+        print(json.dumps([dataclasses.asdict(s) for s in steps], indent=1))
+        return 0
+    if not steps:
+        print(f"no checkpoint steps under {args.path}")
+        return 0
+    print(f"{'step':>8}  {'state':<11} {'size':>10}  {'written (UTC)':<19}  folder")
+    for s in steps:
+        when = datetime.datetime.fromtimestamp(s.mtime, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S") if s.mtime else "?"
+        state = "committed" if s.committed else "INCOMPLETE"
+        print(f"{s.step:>8}  {state:<11} {_human(s.bytes):>10}  {when:<19}  {s.name}")
+    latest = store.latest_committed()
+    print(f"latest committed: {latest if latest is not None else 'none'} (a restart resumes from it)")
+    return 0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1024 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ray-elastic", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -173,6 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--log-every", type=int, default=50)
     demo.add_argument("--report", default=None, help="write the run report as JSON here")
     demo.add_argument("--events", default=None, help="write the timeline as JSON lines here, as it happens")
+    demo.add_argument("--checkpoint", default=None, help="checkpoint.path: a folder or gs://bucket/prefix")
+    demo.add_argument("--save-every", type=int, default=100, help="checkpoint.save_every (steps)")
+    ck = sub.add_parser("checkpoints", help="list a run's checkpoint steps, committed or not")
+    ck.add_argument("path", help="checkpoint.path: a folder or gs://bucket/prefix")
+    ck.add_argument("--json", action="store_true", help="print JSON")
+    ck.add_argument("--check", action="store_true", help="also check the path is writable")
     tl = sub.add_parser("timeline", help="draw a run's events file or report as a PNG")
     tl.add_argument("events", nargs="?", default=None, help="events file (JSON lines, from demo --events / EventLog)")
     tl.add_argument("--report", default=None, help="a run report JSON (demo --report) instead of an events file")
@@ -184,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args)
     if args.command == "timeline":
         return _timeline(args)
+    if args.command == "checkpoints":
+        return _checkpoints(args)
     return 2
 
 

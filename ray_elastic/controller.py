@@ -117,6 +117,7 @@ class ElasticTrainer:
             )
         self._preempt_reason: Optional[str] = None
         self._failed_joins = 0
+        self._notices: dict[tuple[int, int], float] = {}  # (slice, host) -> SIGTERM time
         self._drain_checked = 0.0
         self._t0 = 0.0
 
@@ -395,6 +396,9 @@ class ElasticTrainer:
                     snaps[s] = snap_ref
                 issued2.append((s, h, m_ref, lambda call=call: call()[0]))
         metrics = self._gather(issued2, k, deadline)
+        for (s, h), m in metrics.items():
+            if "preempt_notice_at" in m and (s, h) not in self._notices:
+                self._notices[(s, h)] = m["preempt_notice_at"]
         for s, ref in snaps.items():
             self._snapshots.offer(k + 1, s, ref, self.live[s].infos[0]["node_id"])
         if len(snaps) == 1:
@@ -503,9 +507,14 @@ class ElasticTrainer:
         self._event("preempt_saved" if saved else "preempt_unsaved", step=self.step)
 
     def _check_drains(self, every_s: float = 0.5) -> None:
-        """A Ray drain notice for a node of a live slice (preemption with a
-        deadline): checkpoint the last completed step before the deadline,
-        then take the slice out at this step boundary, losing no step."""
+        """Preemption notices for a live slice, handled at a step boundary:
+        a SIGTERM a worker reported with its last step, or a Ray drain
+        notice (with a deadline) for one of the slice's nodes."""
+        for (s, h), at in sorted(self._notices.items()):
+            if s in self.live:
+                del self._notices[(s, h)]
+                self._retire_preempted(s, h, "SIGTERM to the worker", left_s=30.0, noticed_at=at)
+                return
         now = self._clock()
         if now - self._drain_checked < every_s or not self.live:
             return
@@ -515,18 +524,25 @@ class ElasticTrainer:
             return
         for s, sl in sorted(self.live.items()):
             hit = [(h, i["node_id"]) for h, i in enumerate(sl.infos) if i["node_id"] in draining]
-            if not hit:
-                continue
-            h, node = hit[0]
-            deadline_ms = draining[node]
-            left = (deadline_ms / 1000.0 - time.time()) if deadline_ms else 60.0
-            self._event("drain_notice", slice=s, host=h, deadline_s=round(left, 3), step=self.step)
-            if self._ckpt is not None:
-                t0 = self._clock()
-                ok = self._ckpt.save_now(self.step, self._current_snapshot(), timeout_s=max(1.0, left - 1.0))
-                self._event("preempt_saved" if ok else "preempt_unsaved", step=self.step, seconds=round(self._clock() - t0, 3))
-            self._recover(SlicePreempted(s, h, self.step, f"node {node[:8]} drained for preemption"), in_flight=False)
-            return
+            if hit:
+                h, node = hit[0]
+                deadline_ms = draining[node]
+                left = (deadline_ms / 1000.0 - time.time()) if deadline_ms else 60.0
+                self._retire_preempted(s, h, f"node {node[:8]} drained for preemption", left_s=left, noticed_at=time.time())
+                return
+
+    def _retire_preempted(self, s: int, h: int, reason: str, left_s: float, noticed_at: float) -> None:
+        """Checkpoint the last completed step before the notice's deadline,
+        then take the slice out at this step boundary: no step is redone."""
+        self._event("preempt_notice", slice=s, host=h, reason=reason, deadline_s=round(left_s, 3), step=self.step)
+        if self._ckpt is not None:
+            t0 = self._clock()
+            ok = self._ckpt.save_now(self.step, self._current_snapshot(), timeout_s=max(1.0, left_s - 1.0))
+            self._event(
+                "preempt_saved" if ok else "preempt_unsaved", step=self.step,
+                seconds=round(self._clock() - t0, 3), since_notice_s=round(time.time() - noticed_at, 3),
+            )
+        self._recover(SlicePreempted(s, h, self.step, reason), in_flight=False)
 
     def _gather(self, issued: list, k: int, deadline: float) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice."""

@@ -16,13 +16,14 @@ from typing import Callable, Optional
 
 __all__ = ["Fault", "FaultInjector", "FAULT_KINDS"]
 
-FAULT_KINDS = ("kill", "remove_node", "stop")
+FAULT_KINDS = ("kill", "remove_node", "stop", "term")
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
     """kill: SIGKILL the worker process. remove_node: take its node out of the
     cluster (and its processes with it). stop: SIGSTOP the worker (a hang).
+    term: SIGTERM the worker (a preemption notice to the process).
     """
 
     kind: str
@@ -82,6 +83,8 @@ class FaultInjector:
                 os.kill(info["pid"], signal.SIGKILL)
             elif f.kind == "stop":
                 os.kill(info["pid"], signal.SIGSTOP)
+            elif f.kind == "term":
+                os.kill(info["pid"], signal.SIGTERM)
             else:
                 self._remove_node(info["node_id"])
             self.pending.remove(f)  # only once it has really fired

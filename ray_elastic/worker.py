@@ -17,6 +17,7 @@ the driver never has to.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -60,6 +61,19 @@ class SliceWorker:
         # actor thread: the lock keeps `apply` from replacing the state
         # while it is being copied.
         self._state_lock = threading.Lock()
+        # A preemption notice to this process (SIGTERM from the node's
+        # shutdown, a kubelet, a spot reclaim): finish the step in hand and
+        # tell the controller, which checkpoints and retires the slice at
+        # the step boundary, instead of dying mid-step.
+        self._sigterm_at: Optional[float] = None
+        try:
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+        except ValueError:  # not the main thread: keep Ray's default
+            pass
+
+    def _on_sigterm(self, signum, frame) -> None:
+        if self._sigterm_at is None:
+            self._sigterm_at = time.time()
 
     # -- set-up -----------------------------------------------------------
 
@@ -211,6 +225,8 @@ class SliceWorker:
             "loss": float(np.mean([losses[s] for s in order])),
             "shards": len(order),
         }
+        if self._sigterm_at is not None:
+            metrics["preempt_notice_at"] = self._sigterm_at
         self._last_apply = metrics
         return metrics
 
