@@ -18,7 +18,11 @@ from ray_elastic.errors import (
     WorkerHung,
     WorkerProcessDied,
 )
+from ray_elastic.events import EventLog, read_events
 from ray_elastic.faults import Fault
+from ray_elastic.metrics import MetricsCallback
+from ray_elastic.progress import ProgressCallback
+from ray_elastic.retry import elastic_retry
 from ray_elastic.program import TrainProgram
 from ray_elastic.report import FailureRecord, RunReport
 
@@ -34,6 +38,11 @@ __all__ = [
     "ElasticTrainer",
     "TrainProgram",
     "Fault",
+    "EventLog",
+    "read_events",
+    "MetricsCallback",
+    "ProgressCallback",
+    "elastic_retry",
     "RunReport",
     "FailureRecord",
     "ElasticError",

@@ -1,0 +1,161 @@
+"""Durable-checkpoint figures (python -m bench.ckpt [--quick]):
+
+- restore time from local disk and from a GCS-compatible server, in s/GB;
+- a preemption checkpoint's commit time after a notice (drain and SIGTERM
+  to a worker), on a real local cluster;
+- step-time overhead of asynchronous checkpoints every 10 steps, runs with
+  and without alternated side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+
+from bench.common import ensure_nodes, lm_factory, start_cluster, steady_step_time, summary
+
+
+def _big_state(mb: int):
+    import numpy as np
+
+    n = mb * 1024 * 1024 // 4 // 16
+    rng = np.random.default_rng(0)
+    return {"params": {f"w{i}": rng.standard_normal(n).astype(np.float32) for i in range(16)}, "opt_state": [np.asarray(1, np.int32)]}
+
+
+def restore_rates(mb: int, runs: int) -> dict:
+    from ray_elastic.checkpoints import CheckpointStore, refresh_listings
+    from ray_elastic.testing import FakeGcs
+
+    state = _big_state(mb)
+    gb = mb / 1024
+    out = {}
+    gcs = FakeGcs().start()
+    gcs.point_env()
+    gcs.make_bucket("bench")
+    try:
+        for name, path in (("local", os.path.join(tempfile.mkdtemp(), "ck")), ("gcs", f"gs://bench/{uuid.uuid4().hex[:6]}")):
+            store = CheckpointStore(path, keep=1)
+            save_s, restore_s = [], []
+            for i in range(runs):
+                t0 = time.perf_counter()
+                store.save(i + 1, state, {})
+                save_s.append(time.perf_counter() - t0)
+                refresh_listings()
+                t0 = time.perf_counter()
+                store.restore(i + 1)
+                restore_s.append(time.perf_counter() - t0)
+            out[name] = {
+                "state_mb": mb,
+                "save_s_per_gb": summary([s / gb for s in save_s]),
+                "restore_s_per_gb": summary([s / gb for s in restore_s]),
+            }
+            print(f"  {name}: save {statistics.median(save_s) / gb:.2f} s/GB, restore {statistics.median(restore_s) / gb:.2f} s/GB", flush=True)
+    finally:
+        gcs.stop()
+    return out
+
+
+def preemption_commit(cluster, runs: int) -> dict:
+    """Seconds from a preemption notice to the committed checkpoint."""
+    from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
+    from ray_elastic.callbacks import FunctionCallback
+    from ray_elastic.drain import drain_node
+
+    rows = {"drain": [], "sigterm_worker": []}
+    for i in range(runs):
+        for kind in rows:
+            ensure_nodes(cluster, 2)
+            path = os.path.join(tempfile.mkdtemp(), "ck")
+            faults = (Fault("term", 1, 20),) if kind == "sigterm_worker" else ()
+            trainer = ElasticTrainer(
+                lm_factory(), ElasticConfig(num_slices=2, policy="resize"), 40,
+                checkpoint=CheckpointConfig(path, save_every=1000), faults=faults,
+            )
+            seen = {}
+
+            def on_step(step, loss, slices, trainer=trainer, seen=seen, kind=kind):
+                if kind == "drain" and step == 20 and "t" not in seen:
+                    seen["node"] = trainer.live[1].infos[0]["node_id"]
+                    seen["t"] = time.time()
+                    drain_node(seen["node"], deadline_s=30)
+
+            trainer._callbacks.append(FunctionCallback(on_step=on_step))
+            report = trainer.fit()
+            saved = [e for e in report.events if e["event"] == "preempt_saved"]
+            if saved:
+                rows[kind].append(saved[0]["since_notice_s"])
+                print(f"  {kind} run {i}: committed {saved[0]['since_notice_s']:.3f} s after the notice", flush=True)
+            if kind == "drain" and "node" in seen:
+                cluster.remove_node(seen["node"])
+    return {k: summary(v) for k, v in rows.items()}
+
+
+def checkpoint_overhead(cluster, pairs: int, steps: int) -> dict:
+    from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer
+
+    ensure_nodes(cluster, 2)
+    on, off = [], []
+    for i in range(pairs):
+        order = ((True, on), (False, off)) if i % 2 == 0 else ((False, off), (True, on))
+        for with_ckpt, sink in order:
+            ck = CheckpointConfig(os.path.join(tempfile.mkdtemp(), "ck"), save_every=10, save_at_end=False) if with_ckpt else None
+            report = ElasticTrainer(lm_factory(), ElasticConfig(num_slices=2, policy="resize"), steps, checkpoint=ck).fit()
+            sink.append(steady_step_time(report))
+        print(f"  pair {i}: checkpoints every 10 steps {on[-1] * 1e3:.1f} ms/step, none {off[-1] * 1e3:.1f} ms/step", flush=True)
+    return {
+        "step_time_with_s": summary(on),
+        "step_time_without_s": summary(off),
+        "overhead": summary(on)["median"] / summary(off)["median"] - 1.0,
+    }
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.ckpt", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", default="reports/bench")
+    a = p.parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    os.makedirs(a.out, exist_ok=True)
+    result = {"restore": restore_rates(mb=64 if a.quick else 256, runs=2 if a.quick else 3)}
+    cluster = start_cluster(2)
+    try:
+        result["preemption_commit_s"] = preemption_commit(cluster, runs=1 if a.quick else 3)
+        result["checkpoint_overhead"] = checkpoint_overhead(cluster, pairs=2 if a.quick else 4, steps=150 if a.quick else 300)
+    finally:
+        cluster.shutdown()
+    r = result
+    lines = [
+        "| figure | median [min–max] | target |",
+        "|---|---|---|",
+    ]
+    for name in ("local", "gcs"):
+        x = r["restore"][name]
+        lines.append(f"| restore from {name} ({x['state_mb']} MB state) | {x['restore_s_per_gb']['median']:.2f} s/GB [{x['restore_s_per_gb']['min']:.2f}–{x['restore_s_per_gb']['max']:.2f}] | report |")
+        lines.append(f"| save to {name} | {x['save_s_per_gb']['median']:.2f} s/GB | |")
+    for kind, s in r["preemption_commit_s"].items():
+        if s.get("n"):
+            lines.append(f"| preemption checkpoint committed after notice ({kind}) | {s['median']:.3f} s [{s['min']:.3f}–{s['max']:.3f}] | ≤ 5 s |")
+    o = r["checkpoint_overhead"]
+    lines.append(f"| step time, async checkpoint every 10 steps | {o['step_time_with_s']['median'] * 1e3:.1f} ms | |")
+    lines.append(f"| step time, no checkpoints | {o['step_time_without_s']['median'] * 1e3:.1f} ms | |")
+    lines.append(f"| checkpoint overhead (ratio of medians) | {o['overhead'] * 100:+.1f} % | ≤ 5 % |")
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(a.out, "ckpt.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(a.out, "ckpt.md"), "w") as f:
+        f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
