@@ -353,6 +353,12 @@ class CheckpointWriter:
 
     def __init__(self, path: str, keep: int, retries: int, backoff_s: float):
         self.store = CheckpointStore(path, keep=keep, retries=retries, backoff_s=backoff_s)
+        # Writing is background work: where the writer shares CPUs with
+        # training (a small head node, a laptop), let the steps go first.
+        try:
+            os.nice(10)
+        except OSError:
+            pass
 
     def pid(self) -> int:
         return os.getpid()

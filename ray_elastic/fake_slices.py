@@ -1,0 +1,272 @@
+"""Simulated slices for measuring the controller at scale.
+
+`FakeSlices` is a drop-in for `slice_group.RaySlices` (same methods:
+`start`, `poll`, `kill` (static), `placement_group_state`, `shutdown`)
+whose workers are light in-process objects with the methods of
+`worker.SliceWorker`. Every `.remote(...)` call returns a real Ray
+`ObjectRef` (`ray.put` of the result), so the controller's `ray.wait` /
+`ray.get` code runs for real; only the JAX work and the worker processes
+are gone. Results have the shapes the controller expects: `compute_grads`
+gives `{"grads": {shard: tree}, "loss": {shard: float}}` (host 0; None on
+other hosts), `apply` gives `(metrics, snapshot or None)` refs, `info`
+gives `{"pid", "node_id", "ip"}` with the driver's own (alive) node.
+
+A failure is a ref whose `ray.get` raises a real `ray.exceptions.
+ActorDiedError`: a call on a tombstone actor, started once and killed, so
+the controller's classification and recovery paths run unchanged.
+
+    slices = FakeSlices.configured(fail=[(step, slice_id), ...])
+    with install(slices):            # or ElasticTrainer(..., slices_backend=...)
+        report = ElasticTrainer(factory, config, steps).fit()
+    slices.instances[0].fake_s      # seconds the fakes spent in their own calls
+
+Used by `bench/scale.py` and its smoke test; never by a real run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+import ray
+from ray import exceptions as rex
+
+from ray_elastic.slice_group import LiveSlice, Provisioning
+
+__all__ = ["FakeSlices", "FakeWorker", "install", "dead_ref"]
+
+_TOMBSTONE: dict = {}  # Ray session (GCS address) -> killed actor handle
+
+
+@ray.remote(num_cpus=0)
+class _Tombstone:
+    def ping(self) -> bool:
+        return True
+
+
+def _tombstone():
+    key = ray.get_runtime_context().gcs_address
+    actor = _TOMBSTONE.get(key)
+    if actor is not None:
+        return actor
+    actor = _Tombstone.remote()
+    ray.get(actor.ping.remote(), timeout=120)
+    ray.kill(actor, no_restart=True)
+    deadline = time.monotonic() + 30
+    while True:  # until Ray reports it dead (calls then fail at once)
+        try:
+            ray.get(actor.ping.remote(), timeout=5)
+        except rex.ActorDiedError:
+            break
+        except rex.RayError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the tombstone actor did not die within 30 s")
+        time.sleep(0.05)
+    _TOMBSTONE.clear()
+    _TOMBSTONE[key] = actor
+    return actor
+
+
+def dead_ref():
+    """A ref whose ray.get raises ActorDiedError (a call on a dead actor)."""
+    return _tombstone().ping.remote()
+
+
+class _Method:
+    def __init__(self, worker: "FakeWorker", name: str, num_returns: int = 1):
+        self._worker, self._name, self._num_returns = worker, name, num_returns
+
+    def options(self, num_returns: int = 1, **_ignored) -> "_Method":
+        return _Method(self._worker, self._name, num_returns)
+
+    def remote(self, *args, **kwargs):
+        return self._worker._call(self._name, self._num_returns, args, kwargs)
+
+
+class FakeWorker:
+    """Stands in for a SliceWorker actor handle: `w.method.remote(...)`
+    returns ObjectRefs; a dead worker's calls return refs that raise
+    ActorDiedError."""
+
+    _METHODS = ("info", "setup", "compute_grads", "apply", "state", "flat_state", "load_state",
+                "held_step", "ping", "state_template", "coordinator_address")
+
+    def __init__(self, owner: "FakeSlices", slice_id: int, host: int, hosts: int):
+        self._owner = owner
+        self.slice_id, self.host, self.hosts = slice_id, host, hosts
+        self.step = -1
+        self.dead = False
+        self._last_apply: Optional[dict] = None
+
+    def __getattr__(self, name: str):
+        if name in FakeWorker._METHODS:
+            return _Method(self, name)
+        raise AttributeError(name)
+
+    def _call(self, name: str, num_returns: int, args: tuple, kwargs: dict):
+        t0 = time.perf_counter()
+        try:
+            if not self.dead and name == "compute_grads" and self._owner._due(self.slice_id, self.host, args[0]):
+                self.dead = True  # the worker "dies" during this call
+            if self.dead:
+                refs = [dead_ref() for _ in range(num_returns)]
+            else:
+                result = getattr(self, "_" + name)(*args, **kwargs)
+                if num_returns == 1:
+                    refs = [ray.put(result)]
+                else:
+                    refs = [ray.put(r) for r in result]
+            return refs[0] if num_returns == 1 else refs
+        finally:
+            self._owner.fake_s += time.perf_counter() - t0
+            self._owner.calls += 1
+
+    # -- SliceWorker's methods, minus the JAX work ------------------------
+
+    def _info(self) -> dict:
+        return {"pid": None, "node_id": self._owner.node_id, "ip": "127.0.0.1", "fake": True}
+
+    def _coordinator_address(self) -> str:
+        return "127.0.0.1:0"
+
+    def _setup(self, coordinator: Optional[str], compile_cache_dir: str = "") -> dict:
+        self.step = 0
+        return {"setup_s": 0.0, "devices": 1}
+
+    def _compute_grads(self, step: int, shards: tuple) -> Optional[dict]:
+        if step != self.step:
+            raise RuntimeError(f"fake slice {self.slice_id} holds step {self.step}, asked for {step}")
+        if self.host != 0:
+            return None
+        grads = {s: {"w": self._owner.grad} for s in shards}
+        return {"grads": grads, "loss": {s: 1.0 / (1 + step) for s in shards}}
+
+    def _apply(self, step: int, snapshot: bool, *shard_results) -> tuple:
+        # shard_results are the other slices' refs: a real worker gets them
+        # resolved by Ray; the fake never looks inside.
+        if self.step == step + 1 and self._last_apply is not None:
+            metrics = self._last_apply
+        else:
+            if step != self.step:
+                raise RuntimeError(f"fake slice {self.slice_id} holds step {self.step}, asked to apply {step}")
+            self.step = step + 1
+            metrics = {"step": step + 1, "loss": 1.0 / (1 + step), "shards": self._owner.num_shards}
+            self._last_apply = metrics
+        return metrics, (self._flat_state() if snapshot else None)
+
+    def _flat_state(self) -> dict:
+        return {"step": self.step, "flat": self._owner.flat}
+
+    def _state(self) -> dict:
+        return {"step": self.step, "params": {"w": self._owner.flat}, "opt_state": {}}
+
+    def _load_state(self, state: Any) -> int:
+        if isinstance(state, ray.ObjectRef):
+            state = ray.get(state)
+        self.step = int(state["step"])
+        self._last_apply = None
+        return self.step
+
+    def _state_template(self) -> dict:
+        return {"params": {"w": (self._owner.flat.shape, str(self._owner.flat.dtype))}, "opt_state": {}}
+
+    def _held_step(self) -> int:
+        return self.step
+
+    def _ping(self) -> bool:
+        return True
+
+
+class FakeSlices:
+    """Drop-in for RaySlices (same constructor and methods)."""
+
+    # Set by `configured`: when fake workers fail, as (step, slice_id[, host]).
+    fail: tuple = ()
+    state_floats: int = 16  # size of the fake state and of each gradient
+    instances: list = []  # every FakeSlices built from this class, in order
+
+    def __init__(self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
+                 compile_cache_dir: str = ""):
+        self.spec = spec
+        self.num_shards = num_shards
+        self.run_name = run_name
+        self.hosts = len(spec.bundles())
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.flat = np.zeros(self.state_floats, np.float32)
+        self.grad = np.zeros(self.state_floats, np.float32)
+        self._pending_failures = [tuple(f) for f in self.fail]
+        self.fake_s = 0.0  # time spent inside the fakes' own calls (ray.put included)
+        self.calls = 0
+        self.started: list[int] = []
+        if self._pending_failures:
+            _tombstone()  # made now, not on the first failure's clock
+        type(self).instances.append(self)
+
+    @classmethod
+    def configured(cls, fail=(), state_floats: int = 16) -> type:
+        """A subclass with its own failure plan and instance list (the
+        controller builds the backend itself)."""
+        return type("FakeSlices", (cls,), {"fail": tuple(fail), "state_floats": state_floats, "instances": []})
+
+    def _due(self, slice_id: int, host: int, step: int) -> bool:
+        for f in self._pending_failures:
+            s_step, s_slice = f[0], f[1]
+            s_host = f[2] if len(f) > 2 else 0
+            if (s_step, s_slice, s_host) == (step, slice_id, host):
+                self._pending_failures.remove(f)
+                return True
+        return False
+
+    def start(self, slice_id: int) -> Provisioning:
+        t0 = time.perf_counter()
+        workers = [FakeWorker(self, slice_id, h, self.hosts) for h in range(self.hosts)]
+        self.fake_s += time.perf_counter() - t0
+        self.started.append(slice_id)
+        return Provisioning(
+            slice_id=slice_id,
+            workers=workers,
+            info_refs=[w.info.remote() for w in workers],
+            setup_refs=[w.setup.remote(None, "") for w in workers],
+            started_at=time.monotonic(),
+        )
+
+    @staticmethod
+    def poll(p: Provisioning) -> Optional[LiveSlice]:
+        refs = p.info_refs + p.setup_refs
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        if len(done) < len(refs):
+            for ref in done:
+                ray.get(ref)
+            return None
+        infos = ray.get(p.info_refs)
+        ray.get(p.setup_refs)
+        return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic())
+
+    @staticmethod
+    def kill(workers: list) -> None:
+        for w in workers:
+            if isinstance(w, FakeWorker):
+                w.dead = True
+
+    def placement_group_state(self, slice_id: int) -> str:
+        return "CREATED"
+
+    def shutdown(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def install(backend: type):
+    """Make ElasticTrainer build `backend` instead of RaySlices for the
+    runs inside the block (by patching the name the controller uses)."""
+    import ray_elastic.controller as controller
+
+    saved = controller.RaySlices
+    controller.RaySlices = backend
+    try:
+        yield backend
+    finally:
+        controller.RaySlices = saved
