@@ -73,6 +73,20 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
 
+    def ensure_nodes(self, n: int) -> "LocalCluster":
+        """Make the cluster have exactly n live worker nodes: forget nodes
+        that died, remove idle extras, add missing ones (main thread only)."""
+        alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
+        for node_id in list(self.nodes):
+            if node_id not in alive:
+                self.nodes.pop(node_id)
+        while len(self.nodes) > n:
+            node_id = next(reversed(self.nodes))
+            self.cluster.remove_node(self.nodes.pop(node_id))
+        while len(self.nodes) < n:
+            self.add_node()
+        return self
+
     def connect(self, runtime_env: Optional[dict] = None) -> None:
         if not ray.is_initialized():
             ray.init(address=self.address, log_to_driver=False, runtime_env=runtime_env)

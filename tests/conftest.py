@@ -32,21 +32,7 @@ def cluster():
 @pytest.fixture
 def nodes(cluster):
     """nodes(n): make the cluster have exactly n live worker nodes."""
-    import ray
-
-    def ensure(n: int):
-        alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
-        for node_id in list(cluster.nodes):
-            if node_id not in alive:
-                cluster.nodes.pop(node_id)
-        while len(cluster.nodes) > n:
-            node_id = next(reversed(cluster.nodes))
-            cluster.cluster.remove_node(cluster.nodes.pop(node_id))
-        while len(cluster.nodes) < n:
-            cluster.add_node()
-        return cluster
-
-    return ensure
+    return cluster.ensure_nodes
 
 
 @pytest.fixture(scope="session")
