@@ -1,7 +1,14 @@
-"""python -m bench [core] [--quick] [--out DIR]
+"""python -m bench [core|compare|scale] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
-prints a Markdown table and writes the figures as JSON under --out.
+prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
+--out (bench/README.md describes each suite):
+
+- core: ray_elastic's own detection, recovery and snapshot overhead;
+- compare: ray_elastic (pause, resize) side by side with Ray Train v2
+  (FailureConfig, elastic ScalingConfig) and a full restart, per fault
+  scenario, plus chaos, step-time overheads and the goals;
+- scale: the real controller against 16..1024 simulated slices.
 """
 
 from __future__ import annotations
@@ -11,30 +18,95 @@ import json
 import logging
 import os
 import sys
+import time
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core",))
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
-    parser.add_argument("--out", default="reports/bench", help="folder for the JSON and Markdown results")
+    parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
+    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3)")
+    parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
+    parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
+    parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size")
+    parser.add_argument("--fail-at", type=int, default=None, help="compare: step of the fault")
+    parser.add_argument("--chaos-s", type=float, default=None, help="compare: chaos run length (quick 120, full 300)")
+    parser.add_argument("--overhead-pairs", type=int, default=None,
+                        help="compare: alternated rounds for the overheads (quick 2, full 5; 0: skip)")
+    parser.add_argument("--sizes", type=lambda t: [int(x) for x in _csv(t)], default=None,
+                        help="scale: slice counts (default 16,64,256,1024)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
-    from bench import core
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from bench.common import start_cluster
 
     os.makedirs(args.out, exist_ok=True)
-    cluster = start_cluster(2)
+    t0 = time.monotonic()
+    if args.suite == "core":
+        from bench import core
+
+        cluster = start_cluster(2)
+        try:
+            result = core.run(cluster, quick=args.quick)
+        finally:
+            cluster.shutdown()
+        text = core.table(result)
+        print(text)
+        with open(os.path.join(args.out, "core.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "core.md"), "w") as f:
+            f.write(text + "\n")
+        return 0
+
+    if args.suite == "compare":
+        from bench import compare
+
+        systems = args.systems or list(compare.SYSTEMS)
+        scenarios = args.scenarios or list(compare.SCENARIOS)
+        for name, known, given in (("system", compare.SYSTEMS, systems), ("scenario", compare.SCENARIOS, scenarios)):
+            bad = [x for x in given if x not in known]
+            if bad:
+                parser.error(f"unknown {name}(s) {bad}; choose from {', '.join(known)}")
+        cluster = start_cluster(2)
+        try:
+            result = compare.run(
+                cluster, quick=args.quick, runs=args.runs, systems=systems, scenarios=scenarios,
+                steps=args.steps, fail_at=args.fail_at, chaos_s=args.chaos_s,
+                overhead_pairs=args.overhead_pairs,
+            )
+        finally:
+            cluster.shutdown()
+        files = compare.write(result, args.out)
+        print()
+        print(compare.tables(result))
+        print(f"\nwrote {files['json']}, {files['md']} and {len(files['png'])} PNGs under {args.out} "
+              f"({time.monotonic() - t0:.0f} s)")
+        return 0
+
+    from bench import scale
+
+    cluster = start_cluster(0)  # the fakes need no worker nodes
     try:
-        result = core.run(cluster, quick=args.quick)
+        sizes = args.sizes or list(scale.SIZES)
+        result = scale.run(sizes=sizes, steps=args.steps or (25 if args.quick else 40),
+                           failures=3, quick=args.quick)
     finally:
         cluster.shutdown()
-    text = core.table(result)
+    text = scale.table(result)
     print(text)
-    with open(os.path.join(args.out, "core.json"), "w") as f:
+    with open(os.path.join(args.out, "scale.json"), "w") as f:
         json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "core.md"), "w") as f:
+    with open(os.path.join(args.out, "scale.md"), "w") as f:
         f.write(text + "\n")
+    png = scale.chart(result, os.path.join(args.out, "scale.png"))
+    print(f"\nwrote scale.json, scale.md and {os.path.basename(png)} under {args.out} "
+          f"({time.monotonic() - t0:.0f} s)")
     return 0
 
 

@@ -29,6 +29,11 @@ MARKER_STYLES = {
     "resize": ("tab:brown", ":"),
     "shrink": ("tab:brown", ":"),
     "grow": ("tab:olive", ":"),
+    "wait": ("tab:gray", "--"),
+    "drain_notice": ("tab:orange", ":"),
+    "preempt_saved": ("tab:green", ":"),
+    "rewind": ("tab:pink", "-."),
+    "slice_ready": ("tab:cyan", ":"),
 }
 _OTHER = ("tab:gray", ":")
 

@@ -49,7 +49,7 @@ if ROOT not in sys.path:
 
 __all__ = ["SCENARIOS", "run_raytrain", "run_full_restart"]
 
-SCENARIOS = ("kill", "stop", "remove_node")
+SCENARIOS = ("kill", "stop", "remove_node", "preempt")
 SEED = 0
 COMPILE_CACHE_DIR = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
 _POLL_S = 0.05
@@ -108,6 +108,7 @@ def _train_loop(
     world: int,
     restore: Callable[[], Optional[tuple[int, list]]],
     report: Callable[[int, float, Optional[list]], None],
+    preempted: Optional[Callable[[], bool]] = None,
 ) -> None:
     """Train cfg["steps"] steps from the restored state (or step 0).
 
@@ -115,6 +116,9 @@ def _train_loop(
     leaves or None)` is called every cfg["report_every"] steps (default: with
     each checkpoint), with the leaves every cfg["checkpoint_every"] steps and
     at the end. Every step is logged whatever the reporting.
+    `preempted()` (Ray Train: a barrier over all workers) is asked at every
+    report; the first time it says yes, that report carries a checkpoint (a
+    just-in-time checkpoint), and training goes on, as Ray Train advises.
     """
     import jax
     import numpy as np
@@ -194,11 +198,16 @@ def _train_loop(
     steps, every = cfg["steps"], cfg["checkpoint_every"]
     report_every = cfg.get("report_every") or every or 1
     t_prev = time.time()
+    jit_saved = False
     for k in range(start, steps):
         params, opt_state, loss = step_fn(params, opt_state, global_batch(k))
         loss = float(np.asarray(loss.addressable_data(0)))
         done = k + 1
         save = every > 0 and (done % every == 0 or done == steps)
+        if preempted is not None and not jit_saved and done % report_every == 0 and preempted():
+            jit_saved = save = True
+            if rank == 0:
+                _log(log, ev="detect", ranks=[], error=["preemption notice"], step=done)
         if save or done % report_every == 0:
             report(done, loss, [host(a) for a in jax.tree.leaves((params, opt_state))] if save else None)
         t = time.time()
@@ -257,7 +266,11 @@ def _raytrain_worker(cfg: dict) -> None:
 
             shutil.rmtree(d, ignore_errors=True)
 
-    _train_loop(cfg, rank, world, restore, report)
+    def preempted():
+        return ray.train.get_preemption_info() is not None
+
+    _train_loop(cfg, rank, world, restore, report,
+                preempted=preempted if cfg.get("jit_checkpoint") else None)
 
 
 def _detect_callback(log_path: str):
@@ -288,6 +301,8 @@ def run_raytrain(
     health_check_interval_s: Optional[float] = None,
     hang_timeout_s: Optional[float] = 30.0,
     resize_interval_s: float = 10.0,
+    preempt_deadline_s: float = 10.0,
+    jit_checkpoint: bool = True,
     time_limit_s: float = 600.0,
     compile_cache_dir: Optional[str] = COMPILE_CACHE_DIR,
 ) -> dict:
@@ -296,7 +311,13 @@ def run_raytrain(
 
     scenario: "kill" (SIGKILL of rank 1), "stop" (SIGSTOP of rank 1: a hang),
     "remove_node" (rank 1's node and its processes go; a replacement node is
-    added at once, or, when elastic, once training has resumed), or "none".
+    added at once, or, when elastic, once training has resumed), "preempt"
+    (a Ray drain notice, reason preemption, for rank 1's node with a
+    deadline `preempt_deadline_s` away; a replacement node is added at the
+    notice and the drained node removed at the deadline; with
+    `jit_checkpoint` the workers ask `ray.train.get_preemption_info()` at
+    every report and save a just-in-time checkpoint on the first notice, as
+    Ray Train advises), or "none".
     report_every: steps between `ray.train.report` calls (default: with each
     checkpoint). Ray Train v2 keeps one unconsumed report per worker and the
     controller takes one per health-check poll (every 2 s by default), so
@@ -333,6 +354,7 @@ def run_raytrain(
         "report_every": report_every,
         "num_shards": num_workers,
         "compile_cache_dir": compile_cache_dir,
+        "jit_checkpoint": scenario == "preempt" and jit_checkpoint,
     }
     trainer = JaxTrainer(
         _raytrain_worker,
@@ -387,6 +409,7 @@ def run_raytrain(
     fault = {}  # t, pid, node, rank0_pid
     stopped: list[int] = []
     replacement_pending = False
+    drained: dict = {}  # node, remove_at (epoch s): a drained node still in the cluster
     notes: list[str] = []
     t0 = time.time()
     thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
@@ -394,6 +417,9 @@ def run_raytrain(
     try:
         starts: dict[int, dict] = {}
         while thread.is_alive():
+            if drained and time.time() >= drained["remove_at"]:
+                cluster.remove_node(drained.pop("node"))  # the deadline: the cloud takes it
+                drained.clear()
             for e in tail.poll():
                 if e["ev"] == "start":
                     starts[e["rank"]] = e
@@ -407,6 +433,13 @@ def run_raytrain(
                     elif scenario == "stop":
                         os.kill(victim["pid"], signal.SIGSTOP)
                         stopped.append(victim["pid"])
+                    elif scenario == "preempt":
+                        from ray_elastic.drain import drain_node
+
+                        if not drain_node(victim["node"], deadline_s=preempt_deadline_s):
+                            notes.append("Ray refused the drain request")
+                        drained.update(node=victim["node"], remove_at=fault["t"] + preempt_deadline_s)
+                        cluster.add_node()  # the replacement capacity, at the notice
                     else:  # remove_node: from this (the main) thread, as Ray requires
                         cluster.remove_node(victim["node"])
                         if elastic:
@@ -429,6 +462,8 @@ def run_raytrain(
     finally:
         for pid in stopped:  # a frozen worker Ray did not clean up
             _kill_quietly(pid)
+        if drained.get("node") in cluster.nodes:  # never leave a drained node behind
+            cluster.remove_node(drained["node"])
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -450,7 +485,9 @@ def run_raytrain(
         settings={"max_failures": max_failures, "hang_timeout_s": hang_timeout_s,
                   "report_every": report_every or checkpoint_every or 1,
                   "health_check_interval_s": health_check_interval_s,
-                  "resize_interval_s": resize_interval_s if elastic else None},
+                  "resize_interval_s": resize_interval_s if elastic else None,
+                  "preempt_deadline_s": preempt_deadline_s if scenario == "preempt" else None,
+                  "jit_checkpoint": cfg["jit_checkpoint"]},
         error=None if error is None else f"{type(error).__name__}: {str(error)[:500]}",
         notes=notes,
         workdir=tmp,

@@ -56,10 +56,8 @@ class SnapshotStore:
         p = self._pending
         if p is None or len(p.refs) < p.needed:
             return
-        refs = list(p.refs.values())
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-        if len(ready) < len(refs):
-            return  # still being copied
+        # The copies ride on replies the controller has already received, so
+        # they are sealed: no need to ask the object store again.
         if p.pinned is not None and (not p.pinned.done() or p.pinned.exception() is not None):
             return
         self._pinned_value = p.pinned.result() if p.pinned is not None else None

@@ -1,0 +1,90 @@
+"""Smoke test of the benchmark runner (bench/compare.py, bench/scale.py)
+with tiny settings on the session's local cluster: the outputs have the
+promised shape. The full benchmark (`python -m bench compare`) is not
+part of the test suite."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+pytestmark = pytest.mark.cluster
+
+
+def _png(path: str) -> None:
+    assert os.path.exists(path), path
+    with open(path, "rb") as f:
+        assert f.read(8) == PNG_MAGIC, path
+    assert os.path.getsize(path) > 2000
+
+
+def test_compare_tiny(cluster, nodes, lm_factory, tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import compare
+
+    nodes(2)
+    result = compare.run(
+        cluster, runs=1, systems=["ray_elastic-resize"], scenarios=["kill"], steps=24, fail_at=8,
+        overhead_pairs=0, factory=lm_factory, log=lambda *a: None,
+    )
+    files = compare.write(result, str(tmp_path))
+
+    with open(files["json"]) as f:
+        data = json.load(f)
+    for key in ("mode", "settings", "cells", "runs", "chaos", "overheads", "goals", "wall_s", "files"):
+        assert key in data, key
+    (run,) = data["runs"]
+    assert run["system"] == "ray_elastic-resize" and run["scenario"] == "kill"
+    assert run["error"] is None
+    assert run["steps_completed"] == 24
+    assert 0 < run["detected_s"] <= run["recovered_s"] < 30
+    assert run["steps_rewound"] == 1
+    assert 0 < run["goodput"] <= 1
+    assert run["timeline"] and run["timeline"][-1][1] == 24
+    assert [m["event"] for m in run["markers"]][:2] == ["fault", "detected"]
+    (cell,) = [c for c in data["cells"] if c["status"] == "ok"]
+    assert cell["recovered_s"]["n"] == 1 and cell["recovered_s"]["median"] > 0
+    assert data["goals"]["steps_redone"] == {"max": 1, "n": 1, "met": True}
+
+    with open(files["md"]) as f:
+        md = f.read()
+    rows = [line for line in md.splitlines() if line.startswith("| ray_elastic-resize | kill |")]
+    assert len(rows) == 1 and "n/a" not in rows[0]
+    assert "| system | scenario | runs | detection (s) |" in md
+    assert "### Goals" in md
+    for name in data["files"]["png"]:
+        _png(os.path.join(tmp_path, name))
+    assert "timeline-ray_elastic-resize-kill.png" in data["files"]["png"]
+    assert "recovery.png" in data["files"]["png"]
+
+
+def test_scale_tiny(cluster, tmp_path):
+    pytest.importorskip("matplotlib")
+    from bench import scale
+
+    result = scale.run(sizes=[4, 16], steps=14, failures=2, log=lambda *a: None)
+    assert [r["slices"] for r in result["rows"]] == [4, 16]
+    for r in result["rows"]:
+        assert r["step_s"] > 0 and r["step_controller_s"] > 0
+        assert r["failures"] == 2 and r["failure_s"]["n"] == 2
+        assert r["recovered_s"]["median"] > 0
+        assert r["replacements"] == 2  # each failure queued one replacement slice
+    assert result["slopes"]["step_s"]["all"] is not None
+    text = scale.table(result)
+    assert text.count("\n| 4 |") + text.count("\n| 16 |") == 2
+    _png(scale.chart(result, str(tmp_path / "scale.png")))
+
+
+def test_fake_slices_failure_is_actor_died(cluster):
+    """The fake's failure is a real ActorDiedError from ray.get."""
+    import ray
+    from ray import exceptions as rex
+
+    from ray_elastic.fake_slices import dead_ref
+
+    with pytest.raises(rex.ActorDiedError):
+        ray.get(dead_ref(), timeout=30)
