@@ -31,6 +31,7 @@ MARKER_STYLES = {
     "grow": ("tab:olive", ":"),
     "wait": ("tab:gray", "--"),
     "drain_notice": ("tab:orange", ":"),
+    "preempt_notice": ("tab:orange", ":"),
     "preempt_saved": ("tab:green", ":"),
     "rewind": ("tab:pink", "-."),
     "slice_ready": ("tab:cyan", ":"),

@@ -117,7 +117,8 @@ def _kill_if_stopped(pid) -> None:
 
 
 _MARKED = ("fault", "detected", "restore", "shrink", "grow", "recovered", "wait", "drain_notice",
-           "preempt_saved", "rewind", "slice_ready")
+           "preempt_notice", "preempt_saved", "rewind", "slice_ready")
+_NOTICE = ("preempt_notice", "drain_notice")  # the controller's name for it, new and old
 
 
 def _markers(events: list[dict]) -> list[dict]:
@@ -246,7 +247,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
         out["fault_t"] = round(t_notice, 4)
         markers.insert(0, {"t": round(t_notice, 4), "event": "fault"})
         markers.sort(key=lambda m: m["t"])
-        notice = next((e for e in events if e["event"] == "drain_notice"), None)
+        notice = next((e for e in events if e["event"] in _NOTICE and e["t"] >= t_notice), None)
         det = next((e for e in events if e["event"] == "detected" and e["t"] >= t_notice), None)
         if notice is not None:
             out["detected_s"] = round(notice["t"] - t_notice, 4)

@@ -149,8 +149,15 @@ class ElasticConfig:
         it is num_slices and may be left unset.
     timeout_s: how long to wait for replacement slices before failing.
     max_retries: failures the whole run may absorb.
-    snapshot_every: steps between in-memory snapshots; 1 (the default) keeps
-        the work redone after a failure to the step in flight; 0 turns them off.
+    snapshot_every: steps between in-memory snapshots while one slice is
+        live. 1 (the default) keeps the work redone after a failure to the
+        step in flight; 0 turns snapshots off.
+    snapshot_every_replicated: the same while two or more slices are live.
+        Their memory already holds the state in as many failure domains, so
+        losing any one node or slice still redoes only the step in flight;
+        snapshots then guard only against losing every slice at once, and
+        taking one every 10 steps (the default) keeps their cost off the
+        step time.
     batch_on_resize: "accumulate" (default) keeps the global batch constant
         by gradient accumulation on the survivors, so the optimisation is the
         one a failure-free run does; "shrink" drops the lost slices' shards.
@@ -171,6 +178,7 @@ class ElasticConfig:
     timeout_s: float = 300.0
     max_retries: int = 10
     snapshot_every: int = 1
+    snapshot_every_replicated: int = 10
     batch_on_resize: str = "accumulate"
     step_deadline_floor_s: float = 10.0
     step_deadline_factor: float = 10.0
@@ -210,6 +218,10 @@ class ElasticConfig:
             raise ConfigError("timeout_s", f"must be >= 0 seconds, got {self.timeout_s!r}")
         if not _count(self.max_retries) or self.max_retries < 0:
             raise ConfigError("max_retries", f"must be >= 0, got {self.max_retries!r}")
+        if not _count(self.snapshot_every_replicated) or self.snapshot_every_replicated < 1:
+            raise ConfigError(
+                "snapshot_every_replicated", f"must be >= 1, got {self.snapshot_every_replicated!r}"
+            )
         if not _count(self.snapshot_every) or self.snapshot_every < 0:
             raise ConfigError(
                 "snapshot_every", f"must be >= 0 (0 turns snapshots off), got {self.snapshot_every!r}"

@@ -429,9 +429,11 @@ class ElasticTrainer:
 
     def _snapshot_takers(self, step: int) -> list[int]:
         """The slices whose reply to this step carries a snapshot: two, so
-        that the copies sit in two failure domains."""
-        every = self.config.snapshot_every
-        due = (every and step % every == 0) or self._checkpoint_due(step)
+        that the copies sit in two failure domains. Every step while one
+        slice holds the state; less often while live replicas also do."""
+        c = self.config
+        every = c.snapshot_every if len(self.live) < 2 else c.snapshot_every_replicated
+        due = (c.snapshot_every and step % every == 0) or self._checkpoint_due(step)
         if not due:
             return []
         takers = sorted(self.live)[:2]

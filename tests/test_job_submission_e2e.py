@@ -235,7 +235,10 @@ def ray_cluster():
         yield cluster
     finally:
         left = cluster.stop()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if os.environ.get("RAY_ELASTIC_KEEP_TEST_DIRS"):  # to read the nodes' logs
+            print(f"test cluster's folder kept: {temp_dir}")
+        else:
+            shutil.rmtree(temp_dir, ignore_errors=True)
         assert not left, f"processes of the test cluster still alive: {left}"
 
 

@@ -43,7 +43,7 @@ def test_every_worker_lost_restores_from_snapshot_on_surviving_node(nodes, lm_fa
     The copy on slice 0's node (its object store outlives the process) must
     bring the run back, bitwise equal to a failure-free run."""
     cluster = nodes(2)
-    config = ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=2.0)
+    config = ElasticConfig(num_slices=2, policy="pause", snapshot_every_replicated=1, step_deadline_floor_s=2.0)
     ref, _ = _run(lm_factory, config)
     added = []
 
