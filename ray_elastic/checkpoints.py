@@ -207,8 +207,9 @@ class CheckpointStore:
         if self.path.startswith("gs://"):
             refresh_listings()
 
-    def steps(self) -> list[StepInfo]:
-        """Every step folder, committed or not, oldest first."""
+    def steps(self, sizes: bool = False) -> list[StepInfo]:
+        """Every step folder, committed or not, oldest first. `sizes` walks
+        each folder for its bytes and time (for listings, not saves)."""
         ostep = _ocp().path.step
         self._fresh_listing()
 
@@ -221,7 +222,7 @@ class CheckpointStore:
             if not number.isdigit() or not child.is_dir():
                 continue
             committed = (not ostep.is_tmp_checkpoint(child)) and ostep.is_checkpoint_finalized(child)
-            size, mtime = _tree_size(child)
+            size, mtime = _tree_size(child) if sizes else (0, 0.0)
             out.append(StepInfo(int(number), committed, size, mtime, name))
         return sorted(out, key=lambda s: (s.step, s.name))
 
@@ -280,8 +281,9 @@ class CheckpointStore:
                 log.warning("checkpoint save of step %d failed (%s); retrying in %.1f s", step, e, wait)
                 self._sleep(wait)
                 wait *= 2
+        seconds = time.perf_counter() - t0
         size, _ = _tree_size(self.dir / str(step))
-        return {"step": step, "seconds": time.perf_counter() - t0, "bytes": size}
+        return {"step": step, "seconds": seconds, "bytes": size}
 
     def restore(self, step: Optional[int] = None, template: Any = None) -> tuple[Any, dict]:
         """(state, meta) of a committed step (default: the newest)."""

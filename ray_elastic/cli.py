@@ -169,7 +169,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
     store = CheckpointStore(args.path)
     try:
         store.preflight() if args.check else None
-        steps = store.steps()
+        steps = store.steps(sizes=True)
     except StorageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
