@@ -22,6 +22,7 @@ and recovered, with every requested step done.
 from __future__ import annotations
 
 import os
+import random
 import re
 import secrets
 import shutil
@@ -39,17 +40,43 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_WORKER_NODES = 2
 OBJECT_STORE_BYTES = 200 * 1024 * 1024
-# Worker-process port ranges, one per node: below the kernel's ephemeral
-# range and away from Ray's default 10002-19999, so neither another cluster's
-# workers nor the ports picked by `_free_port` can land in them.
-WORKER_PORT_BASE = 22000
-WORKER_PORTS_PER_NODE = 400
+WORKER_PORTS_PER_NODE = 100
+# The `ray` command of the environment running the tests.
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+if not os.path.exists(RAY):
+    RAY = shutil.which("ray") or "ray"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class _Ports:
+    """Ports for the test cluster, handed out from a block between Ray's
+    default worker ports (10002-19999) and the kernel's ephemeral range
+    (32768 up), from a random start. Every port Ray or gRPC picks "at random"
+    comes from the ephemeral range, so a port probed free there could be
+    taken by another cluster before ours binds it; here nothing else looks.
+    Each port is still checked to be free on every address."""
+
+    LOW, HIGH = 20000, 32768
+
+    def __init__(self):
+        self._next = random.randrange(self.LOW, self.HIGH - 2000)
+
+    @staticmethod
+    def _free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+                return True
+            except OSError:
+                return False
+
+    def take(self, n: int = 1) -> int:
+        """The first of n consecutive free ports."""
+        while True:
+            first = self._next
+            self._next += n
+            assert self._next <= self.HIGH, "no free ports left in the block"
+            if all(self._free(p) for p in range(first, first + n)):
+                return first
 
 
 def _env(temp_dir: str) -> dict:
@@ -65,15 +92,16 @@ def _env(temp_dir: str) -> dict:
     return env
 
 
-def _node_ports(index: int) -> list[str]:
-    low = WORKER_PORT_BASE + index * WORKER_PORTS_PER_NODE
+def _node_ports(ports: _Ports) -> list[str]:
+    """The ports of one node: all explicit, none shared with another node."""
+    low = ports.take(WORKER_PORTS_PER_NODE)
     return [
-        f"--node-manager-port={_free_port()}",
-        f"--object-manager-port={_free_port()}",
-        f"--dashboard-agent-listen-port={_free_port()}",
-        f"--dashboard-agent-grpc-port={_free_port()}",
-        f"--runtime-env-agent-port={_free_port()}",
-        f"--metrics-export-port={_free_port()}",
+        f"--node-manager-port={ports.take()}",
+        f"--object-manager-port={ports.take()}",
+        f"--dashboard-agent-listen-port={ports.take()}",
+        f"--dashboard-agent-grpc-port={ports.take()}",
+        f"--runtime-env-agent-port={ports.take()}",
+        f"--metrics-export-port={ports.take()}",
         f"--min-worker-port={low}",
         f"--max-worker-port={low + WORKER_PORTS_PER_NODE - 1}",
     ]
@@ -110,8 +138,9 @@ class RayStartCluster:
         # For the clients in this process, which must not read or cache any
         # token (Ray's loader is process-wide): pass the header explicitly.
         self.headers = {"Authorization": f"Bearer {token}"}
-        self.gcs_port = _free_port()
-        self.dashboard_port = _free_port()
+        self.ports = _Ports()
+        self.gcs_port = self.ports.take()
+        self.dashboard_port = self.ports.take()
         self.gcs_address = f"127.0.0.1:{self.gcs_port}"
         self.dashboard_url = f"http://127.0.0.1:{self.dashboard_port}"
         self.procs: list[subprocess.Popen] = []
@@ -119,7 +148,7 @@ class RayStartCluster:
     def ray(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
         """Run the `ray` command line against this cluster."""
         return subprocess.run(
-            ["ray", *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+            [RAY, *args], env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
         )
 
     def jobs(self):
@@ -136,7 +165,7 @@ class RayStartCluster:
         log = open(os.path.join(self.temp_dir, f"{name}.log"), "w")
         # A temp dir per node, as on separate machines: nodes on one machine
         # sharing one would race for the same socket names.
-        cmd = ["ray", "start", "--block", "--disable-usage-stats", f"--temp-dir={self.temp_dir}/{name}",
+        cmd = [RAY, "start", "--block", "--disable-usage-stats", f"--temp-dir={self.temp_dir}/{name}",
                f"--object-store-memory={OBJECT_STORE_BYTES}", *args]
         # start_new_session: each node is its own process group, so it can
         # be stopped as a whole, and a ^C in pytest reaches none of them.
@@ -148,16 +177,16 @@ class RayStartCluster:
 
     def start(self) -> None:
         self._start("head", [
-            "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs_port}", "--num-cpus=0",
+            "--head", f"--port={self.gcs_port}", "--num-cpus=0",
             "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={_free_port()}",
-            *_node_ports(0),
+            f"--dashboard-port={self.dashboard_port}", f"--ray-client-server-port={self.ports.take()}",
+            *_node_ports(self.ports),
         ])
         self._wait("the dashboard", lambda: self.jobs().list_jobs() is not None, timeout=120)
         for i in range(1, NUM_WORKER_NODES + 1):
             self._start(f"worker{i}", [
-                f"--address={self.gcs_address}", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-                *_node_ports(i),
+                f"--address={self.gcs_address}", "--num-cpus=1",
+                *_node_ports(self.ports),
             ])
         self._wait(f"{NUM_WORKER_NODES + 1} alive nodes", lambda: self._alive_nodes() == NUM_WORKER_NODES + 1,
                    timeout=120)
@@ -321,8 +350,9 @@ def _slice_worker_pid(cluster: RayStartCluster, slice_id: int) -> int:
 
 
 def test_job_survives_worker_killed_from_outside(ray_cluster):
-    steps = 600
+    steps = 400
     job_id = _submit(ray_cluster, "--slices", "2", "--policy", "resize", "--steps", str(steps))
+    # Mid-run: 50 steps done, some 350 to go (several seconds at least).
     status = _wait_for(ray_cluster, job_id, timeout=150, until_log=f"step 50/{steps}")
     assert status == "RUNNING", _logs(ray_cluster, job_id)[-5000:]
     os.kill(_slice_worker_pid(ray_cluster, 1), signal.SIGKILL)

@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e '.[test]')")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e '.[test]')")
+pytest.importorskip("matplotlib", reason="the notebook plots with matplotlib, which is not installed")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
