@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     try:
         sizes = args.sizes or list(scale.SIZES)
         result = scale.run(sizes=sizes, steps=args.steps or (25 if args.quick else 40),
-                           failures=3, quick=args.quick)
+                           failures=3 if args.quick else 5, quick=args.quick)
     finally:
         cluster.shutdown()
     text = scale.table(result)

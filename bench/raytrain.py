@@ -303,6 +303,7 @@ def run_raytrain(
     resize_interval_s: float = 10.0,
     preempt_deadline_s: float = 10.0,
     jit_checkpoint: bool = True,
+    replacement_after_s: float = 30.0,
     time_limit_s: float = 600.0,
     compile_cache_dir: Optional[str] = COMPILE_CACHE_DIR,
 ) -> dict:
@@ -311,7 +312,8 @@ def run_raytrain(
 
     scenario: "kill" (SIGKILL of rank 1), "stop" (SIGSTOP of rank 1: a hang),
     "remove_node" (rank 1's node and its processes go; a replacement node is
-    added at once, or, when elastic, once training has resumed), "preempt"
+    added at once, or, when elastic, once training has resumed or at the
+    latest `replacement_after_s` after the fault), "preempt"
     (a Ray drain notice, reason preemption, for rank 1's node with a
     deadline `preempt_deadline_s` away; a replacement node is added at the
     notice and the drained node removed at the deadline; with
@@ -417,6 +419,14 @@ def run_raytrain(
     try:
         starts: dict[int, dict] = {}
         while thread.is_alive():
+            if replacement_pending and fault and time.time() - fault["t"] >= replacement_after_s:
+                # The cloud's replacement arrives anyway (an autoscaler would
+                # bring one): an elastic restart that waits for both workers
+                # would otherwise wait forever.
+                replacement_pending = False
+                cluster.add_node()
+                notes.append(f"training had not resumed {replacement_after_s:.0f} s after the node loss: "
+                             "the replacement node was added then")
             if drained and time.time() >= drained["remove_at"]:
                 cluster.remove_node(drained.pop("node"))  # the deadline: the cloud takes it
                 drained.clear()

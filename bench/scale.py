@@ -4,20 +4,35 @@ workers whose calls return real ObjectRefs), with 16 .. 1024 slices.
 
 Per size, one run of `steps` steps with `failures` worker deaths (a real
 `ActorDiedError` from the fake's call, at spread steps and slices) under
-the resize policy. From the driver-side time of every completed step
-(`on_step`):
+the resize policy. The driver's wall clock and its CPU time (all threads
+of the driver process, Ray's included; far less disturbed than wall time by
+other load on a shared machine) are read at every completed step and
+controller event:
 
-- per step: the median time between consecutive completed steps without
-  a failure (the whole control loop: membership check, drain check, both
+- per step: the median time between two completed steps without a failure
+  nearby (the whole control loop: membership check, drain check, both
   phases' calls, ray.wait/ray.get, snapshot bookkeeping, callbacks);
-- per failure: the extra time of the steps around a failure (detect,
-  classify, tear down, queue a replacement, reconcile the survivors' steps,
-  join the replacement, redo the step) over two normal steps;
-- "controller only": the same with the fakes' own time (building their
-  results and `ray.put`) taken out.
+- per failure: from the controller's "detected" event to its "grow" event
+  (tear down the slice, queue a replacement, reconcile the survivors'
+  steps, shrink, take in the replacement, load its state; the fakes'
+  replacement is ready at once), and fault -> next completed step as the
+  report gives it;
+- "controller only": the same less the fakes' own share (building their
+  results and `ray.put`, which stands in for Ray's per-call work).
 
 The slope of log(time) against log(slices) (least squares over all sizes,
 and between the two largest) says how the cost grows: 1.0 is linear.
+
+What the fakes leave out: Ray's own cost of submitting the calls. One
+term of it grows with slices squared, so it is measured apart, on a real
+(idle) actor: the apply phase sends every slice's gradient ref to every
+slice (`w.apply.remote(k, take, *grad_refs)`: n calls of n ref arguments
+per step), and Ray handles each ref argument in the driver. The table
+shows that cost per step next to two alternatives: one ref to the list of
+gradient refs per call (`ray.put(grad_refs)`: Ray still tracks each nested
+ref per call, so it stays O(n^2), only cheaper), and a pairwise tree
+reduction of the gradients (n - 1 reduce calls of 2 refs, then n apply
+calls of 1 ref: O(n)).
 """
 
 from __future__ import annotations
@@ -50,7 +65,10 @@ def _trainer_kwargs(backend) -> dict:
 
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
             seed: int = 0) -> dict:
-    """One run of the real controller on `num_slices` fake slices."""
+    """One run of the real controller on `num_slices` fake slices. Times
+    are wall clock and the driver process's CPU time (all its threads,
+    Ray's included): CPU time is what the controller costs, and it is far
+    less disturbed than wall time by other load on a shared machine."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.callbacks import Callback
     from ray_elastic.fake_slices import FakeSlices, install
@@ -63,12 +81,20 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     fail_steps = sorted({warmup + 1 + (i * span) // max(1, failures) for i in range(failures)})
     plan = [(k, rng.randrange(num_slices)) for k in fail_steps]
     backend = FakeSlices.configured(fail=plan)
-    stamps: list[tuple[int, float, float]] = []
+    stamps: list[tuple] = []  # (step, wall, cpu, fake wall, fake cpu)
+    events: list[tuple] = []  # (event, wall, cpu, fake wall, fake cpu)
+
+    def now() -> tuple:
+        inst = backend.instances[-1] if backend.instances else None
+        return (time.perf_counter(), time.process_time(),
+                inst.fake_s if inst else 0.0, inst.fake_cpu_s if inst else 0.0)
 
     class Probe(Callback):
         def on_step(self, step, metrics):
-            fake = backend.instances[-1].fake_s if backend.instances else 0.0
-            stamps.append((step, time.perf_counter(), fake))
+            stamps.append((step,) + now())
+
+        def on_event(self, event):
+            events.append((event["event"],) + now())
 
     config = ElasticConfig(num_slices=num_slices, policy=policy, max_retries=failures + 1,
                            first_step_deadline_s=600.0, step_deadline_floor_s=60.0)
@@ -87,33 +113,31 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     if len(report.failures) != len(plan):
         raise RuntimeError(f"{num_slices} fake slices: {len(report.failures)} failures, planned {len(plan)}")
 
-    # Interval ending at step s: (wall, fake) seconds since the previous step.
-    intervals = {}
-    for (s0, t0_, f0), (s1, t1, f1) in zip(stamps, stamps[1:]):
-        intervals[s1] = (t1 - t0_, f1 - f0)
-    # A failure while step k (0-based) is in flight shows up before the
-    # completion of step k + 1, and a join may fall before step k + 2.
+    def delta(a: tuple, b: tuple) -> dict:
+        """Wall, CPU, and both less the fakes' own share, from a to b."""
+        w, c, fw, fc = (y - x for x, y in zip(a, b))
+        return {"wall": w, "cpu": c, "wall_ctl": w - fw, "cpu_ctl": c - fc}
+
+    # Steps without a failure nearby: a failure while step k (0-based) is
+    # in flight shows before the completion of step k + 1 (a join may fall
+    # before step k + 2).
     touched = {k + d for k in fail_steps for d in (1, 2)}
-    normal = [v for s, v in intervals.items() if s > warmup and s not in touched]
-    step_s = statistics.median(w for w, _ in normal)
-    step_ctl_s = statistics.median(w - f for w, f in normal)
-    per_failure, per_failure_ctl = [], []
-    for k in fail_steps:
-        around = [intervals[k + d] for d in (1, 2) if k + d in intervals]
-        per_failure.append(sum(w for w, _ in around) - len(around) * step_s)
-        per_failure_ctl.append(sum(w - f for w, f in around) - len(around) * step_ctl_s)
+    normal = [delta(a[1:], b[1:]) for a, b in zip(stamps, stamps[1:]) if b[0] > warmup and b[0] not in touched]
+    # A failure: the controller's "detected" to its "grow" (the fakes'
+    # replacement is ready at once).
+    per_failure = []
+    for i, e in enumerate(events):
+        if e[0] == "detected":
+            grow = next((g for g in events[i + 1:] if g[0] == "grow"), None)
+            if grow is not None:
+                per_failure.append(delta(e[1:], grow[1:]))
     inst = backend.instances[-1]
-    return {
+    out = {
         "slices": num_slices,
         "steps": steps,
         "failures": len(plan),
         "policy": policy,
         "wall_s": round(wall, 3),
-        "step_s": step_s,
-        "step_controller_s": step_ctl_s,
-        "failure_s": summary(per_failure),
-        "failure_controller_s": summary(per_failure_ctl),
-        "detected_s": summary([f.detected_s for f in report.failures]),
         "recovered_s": summary([f.recovered_s for f in report.failures]),
         "steps_rewound": summary([f.steps_rewound for f in report.failures]),
         "fake_calls": inst.calls,
@@ -121,6 +145,60 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
         "replacements": len(inst.started) - num_slices,
         "hook": "slices_backend" if kwargs else "monkeypatched ray_elastic.controller.RaySlices",
     }
+    for key in ("wall", "cpu", "wall_ctl", "cpu_ctl"):
+        out[f"step_{key}_s"] = statistics.median(d[key] for d in normal)
+        out[f"failure_{key}_s"] = summary([d[key] for d in per_failure])
+    # Kept for the names used before: wall clock, all in.
+    out["step_s"], out["step_controller_s"] = out["step_wall_s"], out["step_wall_ctl_s"]
+    out["failure_s"], out["failure_controller_s"] = out["failure_wall_s"], out["failure_wall_ctl_s"]
+    return out
+
+
+def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
+    """Driver-side time to submit one step's apply phase to real Ray
+    (n actor calls), per step: with n ref arguments per call (as the
+    controller does now), and with one ref to the list of the n refs."""
+    import ray
+
+    @ray.remote(num_cpus=0)
+    class Sink:
+        def apply(self, step, take, *shards):
+            return None
+
+        def apply_list(self, step, take, shards_ref):
+            return None
+
+        def reduce(self, a, b):
+            return None
+
+    sink = Sink.remote()
+    try:
+        ray.get(sink.apply.remote(0, False))
+        refs = [ray.put(0.0) for _ in range(num_slices)]
+        calls = calls or max(3, min(40, 4096 // num_slices))
+        t0 = time.perf_counter()
+        out = [sink.apply.options(num_returns=1).remote(0, False, *refs) for _ in range(calls)]
+        per_call = (time.perf_counter() - t0) / calls
+        ray.get(out)
+        t0 = time.perf_counter()
+        box = ray.put(refs)
+        out = [sink.apply_list.options(num_returns=1).remote(0, False, box) for _ in range(calls)]
+        per_call_list = (time.perf_counter() - t0) / calls
+        ray.get(out)
+        reps = max(3, min(8, 4096 // num_slices))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            level = list(refs)
+            while len(level) > 1:
+                nxt = [sink.reduce.remote(a, b) for a, b in zip(level[::2], level[1::2])]
+                level = nxt + (level[-1:] if len(level) % 2 else [])
+            out = [sink.apply.options(num_returns=1).remote(0, False, level[0]) for _ in range(num_slices)]
+        per_step_tree = (time.perf_counter() - t0) / reps
+        ray.get(out)
+    finally:
+        ray.kill(sink)
+    return {"calls": calls, "per_step_s": per_call * num_slices, "per_step_one_ref_s": per_call_list * num_slices,
+            "per_step_tree_s": per_step_tree}
 
 
 def slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
@@ -136,60 +214,92 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> Optional[float]:
     return sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx
 
 
-def run(sizes: Sequence[int] = SIZES, steps: int = 40, failures: int = 3, quick: bool = False,
+def run(sizes: Sequence[int] = SIZES, steps: int = 40, failures: int = 5, quick: bool = False,
         log=print) -> dict:
     if quick:
         steps, failures = min(steps, 30), min(failures, 3)
     rows = []
     for n in sizes:
         row = measure(n, steps=steps, failures=failures)
+        row["apply_submit"] = submit_cost(n)
         rows.append(row)
-        log(f"  {n:5d} fake slices: {row['step_s'] * 1e3:8.2f} ms/step "
-            f"(controller {row['step_controller_s'] * 1e3:.2f} ms), "
-            f"{row['failure_s']['median'] * 1e3:8.2f} ms/failure "
-            f"(controller {row['failure_controller_s']['median'] * 1e3:.2f} ms)")
+        log(f"  {n:5d} fake slices: {row['step_wall_s'] * 1e3:8.2f} ms/step "
+            f"(controller only: wall {row['step_wall_ctl_s'] * 1e3:.2f} ms, CPU {row['step_cpu_ctl_s'] * 1e3:.2f} ms), "
+            f"{row['failure_wall_s']['median'] * 1e3:8.2f} ms/failure "
+            f"(controller CPU {row['failure_cpu_ctl_s']['median'] * 1e3:.2f} ms); real Ray apply-phase "
+            f"submit {row['apply_submit']['per_step_s'] * 1e3:.1f} ms/step "
+            f"(one list ref: {row['apply_submit']['per_step_one_ref_s'] * 1e3:.1f} ms, "
+            f"tree reduce: {row['apply_submit']['per_step_tree_s'] * 1e3:.1f} ms)")
     xs = [r["slices"] for r in rows]
     fits = {}
-    for key, get in (
-        ("step_s", lambda r: r["step_s"]),
-        ("step_controller_s", lambda r: r["step_controller_s"]),
-        ("failure_s", lambda r: r["failure_s"]["median"]),
-        ("failure_controller_s", lambda r: r["failure_controller_s"]["median"]),
-    ):
-        ys = [get(r) for r in rows]
+    for key, _ in SERIES:
+        ys = [_get(r, key) for r in rows]
         fits[key] = {"all": slope(xs, ys), "largest_two": slope(xs[-2:], ys[-2:]) if len(xs) >= 2 else None}
     return {"sizes": list(sizes), "rows": rows, "slopes": fits, "linear_if_slope_at_most": 1.1}
 
 
+# (key, label) of every figure fitted and charted.
+SERIES = (
+    ("step_wall_s", "per step, wall"),
+    ("step_cpu_s", "per step, driver CPU"),
+    ("step_wall_ctl_s", "per step, wall, controller only"),
+    ("step_cpu_ctl_s", "per step, driver CPU, controller only"),
+    ("failure_wall_s", "per failure, wall"),
+    ("failure_cpu_ctl_s", "per failure, driver CPU, controller only"),
+    ("apply_submit_s", "Ray: apply-phase submit, n refs per call (now)"),
+    ("apply_submit_one_ref_s", "Ray: apply-phase submit, one list ref per call"),
+    ("apply_submit_tree_s", "Ray: tree reduce, then one ref per apply call"),
+)
+# The figures that say whether the controller's own work is linear.
+CONTROLLER_KEYS = ("step_cpu_ctl_s", "step_wall_ctl_s", "failure_cpu_ctl_s")
+
+
+def _get(row: dict, key: str):
+    if key.startswith("apply_submit"):
+        sub = {"apply_submit_s": "per_step_s", "apply_submit_one_ref_s": "per_step_one_ref_s",
+               "apply_submit_tree_s": "per_step_tree_s"}[key]
+        return row["apply_submit"][sub]
+    v = row[key]
+    return v.get("median") if isinstance(v, dict) else v
+
+
 def _ms(v) -> str:
-    return "n/a" if v is None else f"{v * 1e3:.2f}"
+    return "n/a" if v is None else f"{v * 1e3:.1f}"
 
 
 def table(result: dict) -> str:
     lines = [
-        "| slices | per step (ms) | per step, controller only (ms) | per failure (ms), median [min–max] "
-        "| per failure, controller only (ms) | fault→next step (ms) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| slices | per step, wall (ms) | per step, driver CPU (ms) | … controller only, wall / CPU (ms) "
+        "| per failure, detected→rejoined, wall (ms) | … controller only, CPU (ms) | fault→next step (ms) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
-        f, fc, rec = r["failure_s"], r["failure_controller_s"], r["recovered_s"]
+        f = r["failure_wall_s"]
         lines.append(
-            f"| {r['slices']} | {_ms(r['step_s'])} | {_ms(r['step_controller_s'])} "
-            f"| {_ms(f['median'])} [{_ms(f['min'])}–{_ms(f['max'])}] | {_ms(fc['median'])} "
-            f"| {_ms(rec.get('median'))} |"
+            f"| {r['slices']} | {_ms(r['step_wall_s'])} | {_ms(r['step_cpu_s'])} "
+            f"| {_ms(r['step_wall_ctl_s'])} / {_ms(r['step_cpu_ctl_s'])} "
+            f"| {_ms(f['median'])} [{_ms(f['min'])}–{_ms(f['max'])}] "
+            f"| {_ms(r['failure_cpu_ctl_s']['median'])} | {_ms(r['recovered_s'].get('median'))} |"
         )
+    lines += [
+        "",
+        "| slices | Ray: submit one step's apply phase, n refs per call (ms) | … one list ref per call (ms) "
+        "| … tree reduce, one ref per call (ms) |",
+        "|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        a = r["apply_submit"]
+        lines.append(f"| {r['slices']} | {_ms(a['per_step_s'])} | {_ms(a['per_step_one_ref_s'])} "
+                     f"| {_ms(a['per_step_tree_s'])} |")
     s = result["slopes"]
 
     def fmt(v):
         return "n/a" if v is None else f"{v:.2f}"
 
     lim = result["linear_if_slope_at_most"]
-    lines.append("")
-    lines.append("| log-log slope (time vs slices) | all sizes | two largest | no faster than linear (≤ "
-                 f"{lim}) |")
-    lines.append("|---|---:|---:|---|")
-    for key, label in (("step_s", "per step"), ("step_controller_s", "per step, controller only"),
-                       ("failure_s", "per failure"), ("failure_controller_s", "per failure, controller only")):
+    lines += ["", f"| log-log slope (time vs slices) | all sizes | two largest | ≤ {lim} (no faster than linear) |",
+              "|---|---:|---:|---|"]
+    for key, label in SERIES:
         a, b = s[key]["all"], s[key]["largest_two"]
         ok = all(v is not None and v <= lim for v in (a, b))
         lines.append(f"| {label} | {fmt(a)} | {fmt(b)} | {'yes' if ok else 'NO'} |")
@@ -203,23 +313,25 @@ def chart(result: dict, path: str) -> str:
     plt = _plt()
     rows = result["rows"]
     xs = [r["slices"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 4.6))
-    series = (
-        ("per step", [r["step_s"] for r in rows], "tab:blue", "o-"),
-        ("per step, controller only", [r["step_controller_s"] for r in rows], "tab:blue", "o--"),
-        ("per failure", [r["failure_s"]["median"] for r in rows], "tab:red", "s-"),
-        ("per failure, controller only", [r["failure_controller_s"]["median"] for r in rows], "tab:red", "s--"),
-    )
-    keys = ("step_s", "step_controller_s", "failure_s", "failure_controller_s")
-    for (label, ys, colour, style), key in zip(series, keys):
-        pts = [(x, y) for x, y in zip(xs, ys) if y and y > 0]
+    styles = {
+        "step_wall_s": ("tab:blue", "o-"), "step_cpu_s": ("tab:cyan", "o-"),
+        "step_wall_ctl_s": ("tab:blue", "o--"), "step_cpu_ctl_s": ("tab:cyan", "o--"),
+        "failure_wall_s": ("tab:red", "s-"), "failure_cpu_ctl_s": ("tab:red", "s--"),
+        "apply_submit_s": ("tab:purple", "^-"), "apply_submit_one_ref_s": ("tab:purple", "^--"),
+        "apply_submit_tree_s": ("tab:green", "v-"),
+    }
+    fig, ax = plt.subplots(figsize=(8.5, 5.2))
+    for key, label in SERIES:
+        pts = [(x, _get(r, key)) for x, r in zip(xs, rows)]
+        pts = [(x, y) for x, y in pts if y and y > 0]
         if not pts:
             continue
+        colour, style = styles[key]
         k = result["slopes"][key]["all"]
-        ax.plot(*zip(*pts), style, color=colour,
+        ax.plot(*zip(*pts), style, color=colour, markersize=4,
                 label=f"{label} (slope {k:.2f})" if k is not None else label)
     if xs:  # a linear reference through the first per-step point
-        y0 = rows[0]["step_s"]
+        y0 = rows[0]["step_wall_s"]
         ax.plot(xs, [y0 * x / xs[0] for x in xs], ":", color="gray", label="linear (slope 1)")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -229,7 +341,7 @@ def chart(result: dict, path: str) -> str:
     ax.set_ylabel("seconds")
     ax.set_title("Control-plane cost vs slices", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6.5, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -19,6 +19,7 @@ the controller's classification and recovery paths run unchanged.
     with install(slices):            # or ElasticTrainer(..., slices_backend=...)
         report = ElasticTrainer(factory, config, steps).fit()
     slices.instances[0].fake_s      # seconds the fakes spent in their own calls
+    slices.instances[0].fake_cpu_s  # the same in process CPU time
 
 Used by `bench/scale.py` and its smoke test; never by a real run.
 """
@@ -107,7 +108,7 @@ class FakeWorker:
         raise AttributeError(name)
 
     def _call(self, name: str, num_returns: int, args: tuple, kwargs: dict):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             if not self.dead and name == "compute_grads" and self._owner._due(self.slice_id, self.host, args[0]):
                 self.dead = True  # the worker "dies" during this call
@@ -122,6 +123,7 @@ class FakeWorker:
             return refs[0] if num_returns == 1 else refs
         finally:
             self._owner.fake_s += time.perf_counter() - t0
+            self._owner.fake_cpu_s += time.process_time() - c0
             self._owner.calls += 1
 
     # -- SliceWorker's methods, minus the JAX work ------------------------
@@ -199,6 +201,7 @@ class FakeSlices:
         self.grad = np.zeros(self.state_floats, np.float32)
         self._pending_failures = [tuple(f) for f in self.fail]
         self.fake_s = 0.0  # time spent inside the fakes' own calls (ray.put included)
+        self.fake_cpu_s = 0.0  # the same, process CPU time
         self.calls = 0
         self.started: list[int] = []
         if self._pending_failures:

@@ -69,13 +69,14 @@ def test_scale_tiny(cluster, tmp_path):
     result = scale.run(sizes=[4, 16], steps=14, failures=2, log=lambda *a: None)
     assert [r["slices"] for r in result["rows"]] == [4, 16]
     for r in result["rows"]:
-        assert r["step_s"] > 0 and r["step_controller_s"] > 0
+        assert r["step_wall_s"] > 0 and r["step_cpu_s"] > 0 and r["step_wall_ctl_s"] > 0
         assert r["failures"] == 2 and r["failure_s"]["n"] == 2
         assert r["recovered_s"]["median"] > 0
         assert r["replacements"] == 2  # each failure queued one replacement slice
-    assert result["slopes"]["step_s"]["all"] is not None
+        assert all(v > 0 for k, v in r["apply_submit"].items() if k.startswith("per_step"))
+    assert result["slopes"]["step_cpu_ctl_s"]["all"] is not None
     text = scale.table(result)
-    assert text.count("\n| 4 |") + text.count("\n| 16 |") == 2
+    assert text.count("\n| 4 |") == 2 and text.count("\n| 16 |") == 2  # controller and Ray tables
     _png(scale.chart(result, str(tmp_path / "scale.png")))
 
 
