@@ -28,6 +28,7 @@ step-time overhead of snapshots and of checkpoints, and the goals.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -39,7 +40,7 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
-from bench.common import ensure_nodes, lm_factory, steady_step_time, summary
+from bench.common import ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
 
 SYSTEMS = ("ray_elastic-pause", "ray_elastic-resize", "raytrain", "raytrain-elastic", "full-restart")
 SCENARIOS = ("kill", "remove_node", "stop", "preempt", "chaos")
@@ -404,6 +405,9 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
     }
 
 
+IDLE_LOAD = "snapshots on + an idle-class busy loop (reference)"
+
+
 def overheads(cluster, pairs: int, steps: int, *, factory=None, log=print) -> dict:
     """Step time with snapshots off, snapshots on (the default), and
     snapshots on plus asynchronous checkpoints every 10 steps, the three run
@@ -415,6 +419,9 @@ def overheads(cluster, pairs: int, steps: int, *, factory=None, log=print) -> di
         ("snapshots off", 0, None),
         ("snapshots on", 1, None),
         ("snapshots on + checkpoints every 10", 1, CHECKPOINT_EVERY),
+        # Reference, not a ray_elastic setting: what any background work in
+        # the idle CPU class costs when it shares these cores with training.
+        (IDLE_LOAD, 1, None),
     )
     samples: dict = {name: {"median": [], "mean": [], "saves": [], "save_s": []} for name, _, _ in configs}
     for i in range(pairs):
@@ -423,10 +430,11 @@ def overheads(cluster, pairs: int, steps: int, *, factory=None, log=print) -> di
             ensure_nodes(cluster, 2)
             path = tempfile.mkdtemp(prefix="bench-ovh-ckpt-") if ckpt_every else None
             try:
-                report = ElasticTrainer(
-                    factory, ElasticConfig(num_slices=2, policy="resize", snapshot_every=every), steps,
-                    checkpoint=CheckpointConfig(path, save_every=ckpt_every, keep=2) if path else None,
-                ).fit()
+                with idle_cpu_load() if name == IDLE_LOAD else contextlib.nullcontext():
+                    report = ElasticTrainer(
+                        factory, ElasticConfig(num_slices=2, policy="resize", snapshot_every=every), steps,
+                        checkpoint=CheckpointConfig(path, save_every=ckpt_every, keep=2) if path else None,
+                    ).fit()
             finally:
                 if path:
                     shutil.rmtree(path, ignore_errors=True)
@@ -458,6 +466,8 @@ def overheads(cluster, pairs: int, steps: int, *, factory=None, log=print) -> di
         "by_median": ratio("snapshots on + checkpoints every 10", "snapshots on", "median_s"),
         "by_mean": ratio("snapshots on + checkpoints every 10", "snapshots on", "mean_s"),
     }
+    out["idle_load_overhead"] = {"by_median": ratio(IDLE_LOAD, "snapshots on", "median_s"),
+                                 "by_mean": ratio(IDLE_LOAD, "snapshots on", "mean_s")}
     return out
 
 
@@ -820,6 +830,9 @@ def tables(result: dict) -> str:
             f"| **snapshot overhead** (on vs off) | {so['by_median']:+.1%} | {so['by_mean']:+.1%} |",
             f"| **checkpoint overhead** (every 10 vs none) | {co['by_median']:+.1%} | {co['by_mean']:+.1%} |",
         ]
+        il = ovh.get("idle_load_overhead")
+        if il:
+            lines.append(f"| reference: an idle-class busy loop on the same cores | {il['by_median']:+.1%} | {il['by_mean']:+.1%} |")
         ck = ovh["configs"].get("snapshots on + checkpoints every 10", {})
         if ck.get("saves_per_run", {}).get("n"):
             lines += ["", f"Checkpoint runs: {_fmt(ck['saves_per_run'], '.0f')} saves per run of {ovh['steps']} "

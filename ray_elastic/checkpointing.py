@@ -45,6 +45,7 @@ class CheckpointCoordinator:
         self.store = CheckpointStore(config.path, keep=config.keep, retries=config.storage_retries, backoff_s=config.retry_backoff_s)
         self._writer = None
         self._template_ref = None
+        self._warm_ref = None
         self._inflight: Optional[tuple[int, Any, float]] = None  # step, ref, t0
         self.failed_in_a_row = 0
         self.last_saved: Optional[int] = None
@@ -90,6 +91,10 @@ class CheckpointCoordinator:
             ).remote(self.config.path, self.config.keep, self.config.storage_retries, self.config.retry_backoff_s)
         return self._writer
 
+    def start_writer(self) -> None:
+        """Start the writer and its imports now, alongside the slices."""
+        self._warm_ref = self._writer_handle().warm.remote()
+
     def writer_pid(self) -> int:
         return ray.get(self._writer_handle().pid.remote())
 
@@ -97,7 +102,15 @@ class CheckpointCoordinator:
         """Learn the state's tree structure once, kept on the driver's node."""
         if self._template_ref is None:
             self._template_ref = ray.put(ray.get(worker.state_template.remote()))
-        self._writer_handle().pid.remote()  # start it now, off the first save's clock
+        if self._warm_ref is not None:
+            # Ready before the first step, so its start-up never competes
+            # with training; a writer that fails here is replaced on use.
+            try:
+                ray.get(self._warm_ref, timeout=120)
+            except rex.RayError as e:
+                log.warning("checkpoint writer did not start cleanly (%s); it is replaced on first use", type(e).__name__)
+                self._writer = None
+            self._warm_ref = None
 
     # -- restore ----------------------------------------------------------------
 
@@ -123,9 +136,9 @@ class CheckpointCoordinator:
     def busy(self) -> bool:
         return self._inflight is not None
 
-    def submit(self, step: int, snapshot_ref) -> None:
+    def submit(self, step: int, snapshot_ref, urgent: bool = False) -> None:
         meta = {**self.facts, "step": step, "time": time.time()}
-        ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta)
+        ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta, urgent)
         self._inflight = (step, ref, time.monotonic())
         self._emit("checkpoint_started", step=step)
 
@@ -178,7 +191,7 @@ class CheckpointCoordinator:
             self.poll(block_s=min(0.5, max(0.0, deadline - time.monotonic())))
         if self.last_saved == step:
             return True
-        self.submit(step, snapshot_ref)
+        self.submit(step, snapshot_ref, urgent=True)
         while self._inflight is not None and time.monotonic() < deadline:
             self.poll(block_s=min(0.5, max(0.0, deadline - time.monotonic())))
         return self.last_saved == step

@@ -11,7 +11,7 @@ before a restore or a save so it can never block one.
 The state is replicated on every slice, so one writer suffices: a small
 actor next to the driver takes the newest in-memory snapshot from the
 object store and writes it, off the step loop. A writer killed mid-write is
-replaced like any failed worker; each save builds a fresh manager, so no
+replaced like any failed worker; a failed save drops its manager, so no
 failed save is ever cached.
 """
 
@@ -169,6 +169,7 @@ class CheckpointStore:
         self.retries = retries
         self.backoff_s = backoff_s
         self._sleep = sleep
+        self._mgr = None  # reused across saves until one fails
 
     # -- checks and listing --------------------------------------------------
 
@@ -247,33 +248,59 @@ class CheckpointStore:
 
     # -- save and restore ----------------------------------------------------
 
-    def _manager(self):
+    def _new_manager(self):
         ocp = _ocp()
-
-        # A fresh manager per call: no failed save stays cached in it.
         return ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, enable_async_checkpointing=False),
         )
 
+    def _drop_manager(self) -> None:
+        mgr, self._mgr = self._mgr, None
+        if mgr is not None:
+            try:
+                mgr.close()
+            except Exception:
+                pass
+
+    def open(self) -> None:
+        """Sweep incomplete steps and build the manager saves reuse."""
+        if self._mgr is None:
+            self._fresh_listing()
+            self.sweep()
+            self._mgr = self._new_manager()
+
     def save(self, step: int, state: dict, meta: dict) -> dict:
-        """Write and commit one step, retrying transient errors with backoff."""
+        """Write and commit one step, retrying transient errors with backoff.
+
+        Saves reuse one manager (building one and sweeping the folder cost
+        as much CPU as a small save, which competes with training where the
+        writer shares CPUs with it). After any failure the manager is
+        dropped and the folder swept before the next attempt: a failed save
+        is never cached, and a half-written step never lingers."""
         ocp = _ocp()
 
         t0 = time.perf_counter()
         wait = self.backoff_s
         for attempt in range(self.retries + 1):
             try:
-                self.sweep()
-                if step in self.committed_steps():
-                    break  # already durable (a retry after a lost reply)
-                self._fresh_listing()
-                mgr = self._manager()
-                mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-                mgr.wait_until_finished()
-                mgr.close()
+                if self._mgr is None:
+                    self._fresh_listing()
+                    self.sweep()
+                    if step in self.committed_steps():
+                        break  # already durable (a retry after a lost reply)
+                    self._mgr = self._new_manager()
+                elif step in self._mgr.all_steps():
+                    break  # written before a rewind; training is deterministic
+                saved = self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+                self._mgr.wait_until_finished()
+                if not saved:
+                    # Orbax declines steps at or below its newest one; a
+                    # newer committed step exists, so nothing is lost.
+                    log.warning("checkpoint: step %d not written, step %s is newer", step, self._mgr.latest_step())
                 break
             except Exception as e:
+                self._drop_manager()
                 if attempt == self.retries:
                     raise StorageError(
                         f"saving step {step} to {self.path} failed after {attempt + 1} attempts: {type(e).__name__}: {e}"
@@ -293,7 +320,8 @@ class CheckpointStore:
         step = self.latest_committed() if step is None else step
         if step is None:
             raise StorageError(f"no committed checkpoint under {self.path}")
-        mgr = self._manager()
+        self._drop_manager()  # a restore reads what is on storage now
+        mgr = self._new_manager()
         state_arg = ocp.args.StandardRestore(template) if template is not None else ocp.args.StandardRestore()
         restored = mgr.restore(step, args=ocp.args.Composite(state=state_arg, meta=ocp.args.JsonRestore()))
         mgr.close()
@@ -349,23 +377,56 @@ def unflatten(flat, template) -> dict:
     return {"params": params, "opt_state": opt_state}
 
 
+def _cpu_class(background: bool) -> bool:
+    """Put every thread of this process in Linux's idle scheduling class
+    (background) or back in the normal one. Idle-class threads run only on
+    CPU time nothing else wants, so a periodic save where the writer shares
+    CPUs with training (a small head node, a laptop) waits for the steps'
+    idle moments instead of slowing them; a nice value alone still takes a
+    share. Threads started later (Orbax's, tensorstore's) inherit the class
+    of the thread that starts them. Returns False where it can't be set
+    (not Linux; going back to normal may need CAP_SYS_NICE)."""
+    policy = getattr(os, "SCHED_IDLE" if background else "SCHED_OTHER", None)
+    if policy is None or not os.path.isdir("/proc/self/task"):
+        return False
+    ok = True
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+        except (OSError, ValueError):
+            ok = False  # the thread ended, or no permission
+    return ok
+
+
 class CheckpointWriter:
     """Runs as a Ray actor next to the driver: turns snapshots from the
-    object store into committed Orbax steps, and reads them back."""
+    object store into committed Orbax steps, and reads them back.
+
+    Periodic saves run in the idle CPU class; urgent ones (a preemption
+    notice, the end of the run, a restore someone waits for) in the normal
+    class, as far as the OS lets the process return to it."""
 
     def __init__(self, path: str, keep: int, retries: int, backoff_s: float):
         self.store = CheckpointStore(path, keep=keep, retries=retries, backoff_s=backoff_s)
-        # Writing is background work: where the writer shares CPUs with
-        # training (a small head node, a laptop), let the steps go first.
-        try:
-            os.nice(10)
-        except OSError:
-            pass
 
     def pid(self) -> int:
         return os.getpid()
 
-    def save(self, step: int, snapshot: dict, template: Any, meta: dict) -> dict:
+    def warm(self) -> int:
+        """Import Orbax and JAX and open the manager now, while the slices
+        start, so the first save does not pay for it during training.
+        (Normal CPU class: the run waits for this before its first step.)"""
+        import jax  # noqa: F401
+
+        _ocp()
+        try:
+            self.store.open()
+        except Exception as e:  # the first save retries and reports it
+            log.warning("checkpoint writer: cannot open %s yet: %s", self.store.path, e)
+        return os.getpid()
+
+    def save(self, step: int, snapshot: dict, template: Any, meta: dict, urgent: bool = False) -> dict:
+        _cpu_class(background=not urgent)
         if "flat" in snapshot:
             state = unflatten(snapshot["flat"], template)
         else:
@@ -376,6 +437,7 @@ class CheckpointWriter:
         import jax
         import numpy as np
 
+        _cpu_class(background=False)
         target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), template)
         state, meta = self.store.restore(step, target)
         return {"step": int(meta["step"]), "params": state["params"], "opt_state": state["opt_state"], "meta": meta}

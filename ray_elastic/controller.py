@@ -20,7 +20,7 @@ import statistics
 import threading
 import time
 import uuid
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 from ray import exceptions as rex
@@ -44,6 +44,11 @@ __all__ = ["ElasticTrainer"]
 
 log = logging.getLogger("ray_elastic")
 
+# Up to this many shards, every slice's apply call takes the phase-1
+# payloads directly (one hop, fastest for a few slices); above, they go
+# through a reduction tree of this fan-in, so the hand-off stays linear.
+APPLY_FAN_IN = 8
+
 
 class ElasticTrainer:
     """Train `steps` steps of the program on `config.num_slices` slices,
@@ -62,6 +67,9 @@ class ElasticTrainer:
         new run on the same path resumes from its newest committed step.
     keep_final_state: fetch the final training state (host numpy arrays)
         into `self.final_state` before the workers are torn down.
+    slices_backend: the class that provisions slices (default RaySlices:
+        placement groups and worker actors); the scale benchmark passes
+        simulated slices behind the same interface.
     """
 
     def __init__(
@@ -77,6 +85,7 @@ class ElasticTrainer:
         callbacks: Sequence[Callback] = (),
         checkpoint: Optional[CheckpointConfig] = None,
         clock: Callable[[], float] = time.monotonic,
+        slices_backend: Optional[type] = None,
     ):
         if not isinstance(steps, int) or steps < 1:
             from ray_elastic.errors import ConfigError
@@ -97,6 +106,7 @@ class ElasticTrainer:
         self._keep_final_state = keep_final_state
         self.final_state: Optional[dict] = None
         self._clock = clock
+        self._backend = slices_backend or RaySlices
         self.report = RunReport(policy=config.policy, num_slices=config.num_slices, steps_requested=steps)
 
         self.live: dict[int, LiveSlice] = {}
@@ -134,7 +144,9 @@ class ElasticTrainer:
         # Storage is checked, and a cold start found, before any slice is
         # reserved.
         resume_from = self._ckpt.preflight() if self._ckpt else None
-        self._slices = RaySlices(
+        if self._ckpt:
+            self._ckpt.start_writer()
+        self._slices = self._backend(
             self.config.slice, self._factory, self.config.seed, self.config.num_slices,
             run_name=self._run_name,
             compile_cache_dir=self.config.compile_cache_dir,
@@ -242,14 +254,14 @@ class ElasticTrainer:
                         setting="program_factory",
                     ) from e
                 log.warning("replacement for slice %d failed to start: %s", s, e)
-                RaySlices.kill(p.workers)
+                self._backend.kill(p.workers)
                 self.coming[s] = self._slices.start(s)
                 continue
             except rex.ObjectLostError as e:
                 # The replacement itself died while starting (its node went
                 # away, say): queue it again on the same placement group.
                 log.warning("replacement for slice %d failed to start: %s", s, e)
-                RaySlices.kill(p.workers)
+                self._backend.kill(p.workers)
                 self.coming[s] = self._slices.start(s)
                 continue
             if live is not None:
@@ -291,7 +303,7 @@ class ElasticTrainer:
             if not dead:
                 self._snapshots.discard_latest()
             for s in dead:
-                RaySlices.kill(self.ready.pop(s).workers)
+                self._backend.kill(self.ready.pop(s).workers)
                 self.coming[s] = self._slices.start(s)
             log.warning("loading state into slices %s failed (%s); %s", new, _short(e),
                         f"re-queued {dead}" if dead else "trying an older copy")
@@ -370,17 +382,23 @@ class ElasticTrainer:
         t_start = self._clock()
         deadline = t_start + self._deadline_s()
         assignment = assign_shards(self.live, self.config.num_slices, self.config.batch_on_resize)
-        calls = [
-            (s, h, lambda w=w, s=s: w.compute_grads.remote(k, assignment[s]))
+        payloads: dict[int, Any] = {}  # slice -> its host 0's gradients (a ref)
+
+        def grads_call(w, s: int, h: int):
+            status, payload = w.compute_grads.options(num_returns=2).remote(k, assignment[s])
+            if h == 0:
+                payloads[s] = payload  # a re-issued call replaces it
+            return status
+
+        issued = [
+            (s, h, grads_call(w, s, h), lambda w=w, s=s, h=h: grads_call(w, s, h))
             for s, sl in sorted(self.live.items())
             for h, w in enumerate(sl.workers)
         ]
-        issued = [(s, h, make(), make) for s, h, make in calls]
         for fired in self._injector.fire_due(k, self.live):
             self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host, step=k)
-        grads = self._gather(issued, k, deadline)
-        grad_refs = [ref for s, h, ref, _ in issued if h == 0]
-        del grads  # only the refs travel; workers fetch them directly
+        self._gather(issued, k, deadline)
+        grad_refs = self._reduce(k, assignment, payloads, deadline)
 
         takers = self._snapshot_takers(k + 1)
         issued2, snaps = [], {}
@@ -426,6 +444,38 @@ class ElasticTrainer:
         step_metrics = {"loss": loss, "slices": len(self.live), "step_s": t_end - t_start}
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
+
+    def _reduce(self, k: int, assignment: dict, payloads: dict, deadline: float) -> list:
+        """The refs every slice's apply call takes: the phase-1 payloads
+        themselves up to APPLY_FAN_IN shards, else the top of a tree of
+        in-order partial sums over consecutive shards, fan-in APPLY_FAN_IN,
+        computed on the slices' host-0 workers level by level. The tree
+        keeps the driver's work and the ref hand-off linear in the number
+        of slices (n apply calls of n refs each would be quadratic); its
+        shape depends only on the shard count, so the additions happen in
+        the same order in every run."""
+        holder = {shard: payloads[s] for s, shards in assignment.items() for shard in shards}
+        nodes = [(shard, [holder[shard]]) for shard in sorted(holder)]  # (key, refs holding it)
+        reducers = sorted(self.live)
+        while len(nodes) > APPLY_FAN_IN:
+            issued, boxes = [], []
+            for j in range(0, len(nodes), APPLY_FAN_IN):
+                group = nodes[j:j + APPLY_FAN_IN]
+                keys = tuple(key for key, _ in group)
+                refs = list(dict.fromkeys(r for _, rs in group for r in rs))
+                s = reducers[(j // APPLY_FAN_IN) % len(reducers)]
+                box: list = []
+
+                def call(w=self.live[s].workers[0], keys=keys, refs=refs, box=box):
+                    status, partial = w.reduce.options(num_returns=2).remote(k, keys, *refs)
+                    box[:] = [partial]
+                    return status
+
+                issued.append((s, 0, call(), call))
+                boxes.append((keys[0], box))
+            self._gather(issued, k, deadline)
+            nodes = [(key, [box[0]]) for key, box in boxes]
+        return list(dict.fromkeys(r for _, rs in nodes for r in rs))
 
     def _snapshot_takers(self, step: int) -> list[int]:
         """The slices whose reply to this step carries a snapshot: two, so
@@ -628,7 +678,7 @@ class ElasticTrainer:
         d = decide(SliceLost(f.slice_id, f.kind, f.step), self._view(), self.config, now)
         self.retries += 1
         failed = self.live.pop(f.slice_id)
-        RaySlices.kill(failed.workers)
+        self._backend.kill(failed.workers)
         if isinstance(d, Fail):
             raise d.error from f
         self.coming[f.slice_id] = self._slices.start(f.slice_id)
@@ -698,9 +748,9 @@ class ElasticTrainer:
 
     def _shutdown(self) -> None:
         for sl in list(self.live.values()) + list(self.ready.values()):
-            RaySlices.kill(sl.workers)
+            self._backend.kill(sl.workers)
         for p in self.coming.values():
-            RaySlices.kill(p.workers)
+            self._backend.kill(p.workers)
         self._snapshots.close()
         if self._ckpt is not None:
             self._ckpt.shutdown()

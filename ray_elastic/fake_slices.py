@@ -7,8 +7,8 @@ whose workers are light in-process objects with the methods of
 `ObjectRef` (`ray.put` of the result), so the controller's `ray.wait` /
 `ray.get` code runs for real; only the JAX work and the worker processes
 are gone. Results have the shapes the controller expects: `compute_grads`
-gives `{"grads": {shard: tree}, "loss": {shard: float}}` (host 0; None on
-other hosts), `apply` gives `(metrics, snapshot or None)` refs, `info`
+gives (status, `{"grads": {shard: tree}, "loss": {shard: float}}`) refs
+(host 0; None on other hosts), `reduce` a (status, partial sum), `apply` gives `(metrics, snapshot or None)` refs, `info`
 gives `{"pid", "node_id", "ip"}` with the driver's own (alive) node.
 
 A failure is a ref whose `ray.get` raises a real `ray.exceptions.
@@ -92,7 +92,7 @@ class FakeWorker:
     returns ObjectRefs; a dead worker's calls return refs that raise
     ActorDiedError."""
 
-    _METHODS = ("info", "setup", "compute_grads", "apply", "state", "flat_state", "load_state",
+    _METHODS = ("info", "setup", "compute_grads", "reduce", "apply", "state", "flat_state", "load_state",
                 "held_step", "ping", "state_template", "coordinator_address")
 
     def __init__(self, owner: "FakeSlices", slice_id: int, host: int, hosts: int):
@@ -138,16 +138,22 @@ class FakeWorker:
         self.step = 0
         return {"setup_s": 0.0, "devices": 1}
 
-    def _compute_grads(self, step: int, shards: tuple) -> Optional[dict]:
+    def _compute_grads(self, step: int, shards: tuple) -> tuple:
         if step != self.step:
             raise RuntimeError(f"fake slice {self.slice_id} holds step {self.step}, asked for {step}")
         if self.host != 0:
-            return None
+            return None, None
         grads = {s: {"w": self._owner.grad} for s in shards}
-        return {"grads": grads, "loss": {s: 1.0 / (1 + step) for s in shards}}
+        losses = {s: 1.0 / (1 + step) for s in shards}
+        return {"loss": losses}, {"grads": grads, "loss": losses}
 
-    def _apply(self, step: int, snapshot: bool, *shard_results) -> tuple:
-        # shard_results are the other slices' refs: a real worker gets them
+    def _reduce(self, step: int, keys: tuple, *parts) -> tuple:
+        # parts are refs: a real worker gets them resolved by Ray and sums
+        # them; the fake never looks inside.
+        return {"count": len(keys)}, {"key": keys[0], "sum": {"w": self._owner.grad}, "count": len(keys), "loss": {}}
+
+    def _apply(self, step: int, snapshot: bool, *parts) -> tuple:
+        # parts are refs (payloads or partial sums): a real worker gets them
         # resolved by Ray; the fake never looks inside.
         if self.step == step + 1 and self._last_apply is not None:
             metrics = self._last_apply

@@ -171,12 +171,15 @@ class SliceWorker:
             for k, v in local.items()
         }
 
-    def compute_grads(self, step: int, shards: tuple[int, ...]) -> Optional[dict]:
+    def compute_grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
         """Phase 1: the gradient of each assigned shard at the held state.
 
         `step` is the index of the step being taken: the state held is the
         result of `step` completed steps. Pure in (state, step, shards), so
-        the controller may re-issue it.
+        the controller may re-issue it. Returns (status, payload): the
+        controller reads only the small status; the payload (the gradients)
+        goes from here to the slices that reduce or apply it, never through
+        the driver.
         """
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked for {step}")
@@ -187,12 +190,22 @@ class SliceWorker:
                 grads[shard] = self._jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), g)
                 losses[shard] = float(np.asarray(loss.addressable_data(0)))
         if self.host != 0:
-            return None  # host 0 speaks for the slice: the values are replicated
-        return {"grads": grads, "loss": losses}
+            return None, None  # host 0 speaks for the slice: the values are replicated
+        return {"loss": losses}, {"grads": grads, "loss": losses}
 
-    def apply(self, step: int, snapshot: bool, *shard_results: Optional[dict]):
+    def reduce(self, step: int, keys: tuple[int, ...], *parts: Optional[dict]) -> tuple[dict, dict]:
+        """One node of the controller's reduction tree: the in-order sum of
+        the pieces named by `keys` (shards, or lower nodes' first shards)
+        found in `parts`. Pure, so the controller may re-issue it."""
+        partial = reduce_pieces(self._jax.tree.map, keys, parts)
+        return {"count": partial["count"]}, partial
+
+    def apply(self, step: int, snapshot: bool, *parts: Optional[dict]):
         """Phase 2: apply the mean of all shard gradients, in shard order.
 
+        `parts` are phase-1 payloads or reduction-tree partial sums; either
+        way they are summed in the order of the shards they cover, so the
+        result does not depend on which slice computed which shard.
         Returns (metrics, snapshot or None). The snapshot rides on the
         step's own reply, so a step is never reported complete before its
         snapshot is sealed in the object store: a failure at any moment
@@ -200,30 +213,25 @@ class SliceWorker:
         already applied, so the controller can re-issue it.
         """
         with self._state_lock:
-            metrics = self._apply(step, shard_results)
+            metrics = self._apply(step, parts)
             return metrics, (self.flat_state() if snapshot else None)
 
-    def _apply(self, step: int, shard_results: tuple) -> dict:
+    def _apply(self, step: int, parts: tuple) -> dict:
         if self._step == step + 1 and self._last_apply is not None:
             return self._last_apply
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked to apply {step}")
-        grads, losses = {}, {}
-        for r in shard_results:
-            if r is not None:
-                grads.update(r["grads"])
-                losses.update(r["loss"])
-        order = sorted(grads)
-        # Sum in shard order so the result does not depend on which slice
-        # computed which shard: a resized run matches a failure-free one.
-        mean = self._jax.tree.map(lambda *gs: _ordered_mean(gs), *[grads[s] for s in order])
+        total = reduce_pieces(self._jax.tree.map, None, parts)
+        n = total["count"]
+        mean = self._jax.tree.map(lambda a: _divided(a, n), total["sum"])
         mean = self._jax.tree.map(self._replicate, mean)
         self.params, self.opt_state = self._update(self.params, self.opt_state, mean)
         self._step = step + 1
+        losses = total["loss"]
         metrics = {
             "step": step + 1,
-            "loss": float(np.mean([losses[s] for s in order])),
-            "shards": len(order),
+            "loss": float(np.mean([losses[s] for s in sorted(losses)])),
+            "shards": n,
         }
         if self._sigterm_at is not None:
             metrics["preempt_notice_at"] = self._sigterm_at
@@ -279,9 +287,50 @@ class SliceWorker:
         return True
 
 
-def _ordered_mean(values: tuple) -> np.ndarray:
-    acc = np.array(values[0], copy=True)
-    for v in values[1:]:
-        acc += v
-    acc /= len(values)
+def _pieces(part: dict) -> list[tuple[int, Any, int]]:
+    """(key, sum, count) of a phase-1 payload (one piece per shard) or of a
+    reduction-tree partial sum (one piece keyed by its first shard)."""
+    if "grads" in part:
+        return [(shard, g, 1) for shard, g in part["grads"].items()]
+    return [(part["key"], part["sum"], part["count"])]
+
+
+def reduce_pieces(tree_map: Callable, keys: Optional[tuple], parts: tuple) -> dict:
+    """Sum the pieces of `parts` named by `keys` (None: all), in key order.
+
+    The order of additions depends only on the keys, so every run with the
+    same number of shards adds in the same order, whichever slices computed
+    or reduced them: a resized run stays bitwise equal to a failure-free
+    one. A payload may carry shards of other tree nodes; those are skipped.
+    """
+    wanted = None if keys is None else set(keys)
+    pieces, losses = {}, {}
+    for part in parts:
+        if part is None:
+            continue
+        for key, value, count in _pieces(part):
+            if wanted is None or key in wanted:
+                pieces[key] = (value, count)
+        losses.update({s: v for s, v in part["loss"].items() if wanted is None or _covered(s, part, wanted)})
+    if wanted is not None and set(pieces) != wanted:
+        raise RuntimeError(f"reduction node is missing pieces {sorted(wanted - set(pieces))}")
+    order = sorted(pieces)
+    acc = tree_map(lambda a: np.array(a, copy=True), pieces[order[0]][0])
+    for key in order[1:]:
+        acc = tree_map(_add_into, acc, pieces[key][0])
+    return {"key": order[0], "sum": acc, "count": sum(pieces[k][1] for k in order), "loss": losses}
+
+
+def _covered(shard: int, part: dict, wanted: set) -> bool:
+    # A payload's losses are per shard; a partial's belong to its key.
+    return shard in wanted if "grads" in part else part["key"] in wanted
+
+
+def _add_into(acc: np.ndarray, value) -> np.ndarray:
+    acc += value
+    return acc
+
+
+def _divided(acc: np.ndarray, n: int) -> np.ndarray:
+    acc /= n
     return acc

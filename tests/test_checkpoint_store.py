@@ -44,6 +44,55 @@ def test_save_restore_and_keep(root):
     assert store.read_meta(3) == {"seed": 0}
 
 
+def test_saves_reuse_one_manager_until_a_failure(tmp_path):
+    """Periodic saves share one Orbax manager (building one and sweeping the
+    folder per save cost as much CPU as the save); a failed save drops it,
+    so the next save starts afresh and sweeps what the failure left."""
+    blocker = tmp_path / "blocked"
+    store = CheckpointStore(str(blocker / "ckpt"), keep=3, retries=0)
+    store.save(1, _state(1.0), {})
+    mgr = store._mgr
+    store.save(2, _state(2.0), {})
+    assert store._mgr is mgr
+    store.save(2, _state(9.0), {})  # already written (a redo after a rewind): kept as is
+    state, _ = store.restore(2)
+    assert int(state["opt_state"][0]) == 2
+    os.rename(blocker, tmp_path / "moved")
+    blocker.write_text("not a folder")  # the storage breaks for real
+    with pytest.raises(StorageError, match="step 3"):
+        store.save(3, _state(3.0), {})
+    assert store._mgr is None
+    blocker.unlink()
+    os.rename(tmp_path / "moved", blocker)
+    store.save(4, _state(4.0), {})
+    assert store._mgr is not None and store._mgr is not mgr
+    assert store.committed_steps() == [1, 2, 4]
+
+
+def test_background_cpu_class_covers_every_thread():
+    """The writer's periodic saves run in Linux's idle CPU class, in every
+    thread, including threads started afterwards (Orbax's)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("no SCHED_IDLE on this OS")
+    code = textwrap.dedent("""
+        import os, threading
+        from ray_elastic.checkpoints import _cpu_class
+        before = threading.Thread(target=threading.Event().wait, daemon=True)
+        before.start()
+        assert _cpu_class(background=True)
+        seen = []
+        after = threading.Thread(target=lambda: seen.append(os.sched_getscheduler(0)))
+        after.start(); after.join()
+        tids = os.listdir("/proc/self/task")
+        policies = {os.sched_getscheduler(int(t)) for t in tids}
+        print(len(tids), policies == {os.SCHED_IDLE}, seen == [os.SCHED_IDLE])
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr
+    n, all_idle, later_idle = out.stdout.split()
+    assert int(n) >= 2 and all_idle == "True" and later_idle == "True"
+
+
 def test_writer_killed_mid_write_leaves_nothing_that_blocks(root, tmp_path):
     """SIGKILL a process while it writes a step: the half-written step is
     listed as uncommitted, never restored, swept before the next save, and
