@@ -48,17 +48,6 @@ def _no_program():  # the fakes never build the program
     raise RuntimeError("fake slices do not run a program")
 
 
-def _trainer_kwargs(backend) -> dict:
-    """Use the controller's backend hook when it has one (see the report)."""
-    import inspect
-
-    from ray_elastic.controller import ElasticTrainer
-
-    if "slices_backend" in inspect.signature(ElasticTrainer.__init__).parameters:
-        return {"slices_backend": backend}
-    return {}
-
-
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
             seed: int = 0) -> dict:
     """One run of the real controller on `num_slices` fake slices. Times
@@ -67,7 +56,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     less disturbed than wall time by other load on a shared machine."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.callbacks import Callback
-    from ray_elastic.fake_slices import FakeSlices, install
+    from ray_elastic.fake_slices import FakeSlices
 
     rng = random.Random(seed)
     warmup = 4
@@ -94,15 +83,9 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
 
     config = ElasticConfig(num_slices=num_slices, policy=policy, max_retries=failures + 1,
                            first_step_deadline_s=600.0, step_deadline_floor_s=60.0)
-    kwargs = _trainer_kwargs(backend)
     t0 = time.perf_counter()
-    if kwargs:
-        trainer = ElasticTrainer(_no_program, config, steps, callbacks=[Probe()], **kwargs)
-        report = trainer.fit()
-    else:
-        with install(backend):
-            trainer = ElasticTrainer(_no_program, config, steps, callbacks=[Probe()])
-            report = trainer.fit()
+    trainer = ElasticTrainer(_no_program, config, steps, callbacks=[Probe()], slices_backend=backend)
+    report = trainer.fit()
     wall = time.perf_counter() - t0
     if report.steps_completed != steps:
         raise RuntimeError(f"{num_slices} fake slices: {report.steps_completed}/{steps} steps")
@@ -139,7 +122,6 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
         "fake_calls": inst.calls,
         "fake_s_total": round(inst.fake_s, 3),
         "replacements": len(inst.started) - num_slices,
-        "hook": "slices_backend" if kwargs else "monkeypatched ray_elastic.controller.RaySlices",
     }
     for key in ("wall", "cpu", "wall_ctl", "cpu_ctl"):
         out[f"step_{key}_s"] = statistics.median(d[key] for d in normal)
