@@ -101,7 +101,11 @@ def preemption_commit(cluster, runs: int) -> dict:
 def _pin_threads(pid: int, cpus: set) -> None:
     """Set the CPU affinity of every thread of a process (affinity is per
     thread; threads and processes started later inherit their creator's)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return  # the process ended
+    for tid in tids:
         try:
             os.sched_setaffinity(int(tid), cpus)
         except OSError:
