@@ -32,7 +32,7 @@ def _big_state(mb: int):
 
 def restore_rates(mb: int, runs: int) -> dict:
     from ray_elastic.checkpoints import CheckpointStore, refresh_listings
-    from ray_elastic.testing import FakeGcs
+    from tests.fake_gcs import FakeGcs
 
     state = _big_state(mb)
     gb = mb / 1024

@@ -1,5 +1,5 @@
 """Control-plane scale: the real controller (`ElasticTrainer`) against
-simulated slices (`ray_elastic.fake_slices.FakeSlices`: in-process fake
+simulated slices (`bench.fake_slices.FakeSlices`: in-process fake
 workers whose calls return real ObjectRefs), with 16 .. 1024 slices.
 
 Per size, one run of `steps` steps with `failures` worker deaths (a real
@@ -56,7 +56,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     less disturbed than wall time by other load on a shared machine."""
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.callbacks import Callback
-    from ray_elastic.fake_slices import FakeSlices
+    from bench.fake_slices import FakeSlices
 
     rng = random.Random(seed)
     warmup = 4

@@ -20,37 +20,58 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
 import logging
 import os
 import sys
 import time
-from pathlib import Path
 
 __all__ = ["main"]
 
 
-def _example_lm():
-    """Import examples/lm.py here; `_demo` ships the folder to the workers
-    with Ray's runtime_env (py_modules), as a user's job would."""
-    root = Path(__file__).resolve().parents[1]
-    if not (root / "examples" / "lm.py").exists():
-        raise SystemExit(
-            "ray-elastic demo needs the repository's examples/ folder next to the "
-            "ray_elastic package: install with `pip install -e .` from a clone."
-        )
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module("examples.lm")
+class _RayOutputToFile:
+    """While open, everything this process writes to its stdout and stderr
+    (file descriptors 1 and 2) goes to a file: Ray's own messages to the
+    driver (a raylet's death notice and state dump when a node is removed on
+    purpose), its C++ core worker's log lines and its Python log lines. The
+    demo writes its progress, timeline and summary to `out` and `err`, which
+    stay on the terminal. An uncaught error restores the descriptors before
+    Python prints it, so real errors still reach the user."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self) -> "_RayOutputToFile":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self._saved = (os.dup(1), os.dup(2))
+        self.out = os.fdopen(os.dup(1), "w", buffering=1)
+        self.err = os.fdopen(os.dup(2), "w", buffering=1)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        # Errors logged by anyone (ray_elastic, Orbax, Ray) still show.
+        self._handler = logging.StreamHandler(self.err)
+        self._handler.setLevel(logging.ERROR)
+        self._handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger().removeHandler(self._handler)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for saved, fd in zip(self._saved, (1, 2)):
+            os.dup2(saved, fd)
+            os.close(saved)
+        self.out.close()
+        self.err.close()
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault, RunFailed
-    from ray_elastic.events import EventLog
+    from ray_elastic import CpuSlice, ElasticConfig, Fault
     from ray_elastic.local_cluster import LocalCluster
-    from ray_elastic.metrics import MetricsCallback
-    from ray_elastic.progress import ProgressCallback
 
     config = ElasticConfig(
         num_slices=args.slices,
@@ -65,22 +86,46 @@ def _demo(args: argparse.Namespace) -> int:
     checkpoint = CheckpointConfig(args.checkpoint, save_every=args.save_every) if args.checkpoint else None
     fail_at = args.steps // 4 if args.fail_at is None else args.fail_at
     faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at),)
-    lm = _example_lm()
+    # The example model ships in the package (pyproject.toml maps examples/
+    # to ray_elastic.examples), so workers import it like any installed code.
+    from ray_elastic.examples import lm
+
     factory = functools.partial(lm.make_program, lm.LMConfig())
 
     print(f"starting a local Ray cluster: head + {args.slices * args.hosts_per_slice} nodes", flush=True)
     t0 = time.monotonic()
     cluster = LocalCluster(num_nodes=args.slices * args.hosts_per_slice)
-    cluster.connect(runtime_env={"py_modules": [os.path.dirname(lm.__file__)]})
-    print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", flush=True)
+    logs = cluster.logs_dir
+    try:
+        with _RayOutputToFile(os.path.join(logs, "ray-elastic-demo.out")) as console:
+            try:
+                print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", file=console.out)
+                print(f"Ray's own logs and messages go to {logs}", file=console.out)
+                rc = _run_demo(args, cluster, config, checkpoint, faults, factory, console)
+                print(f"  Ray's logs: {logs}", file=console.out)
+                return rc
+            finally:
+                cluster.shutdown()  # Ray prints as it stops: still into the file
+    finally:
+        cluster.shutdown()
+
+
+def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int:
+    from ray_elastic import ElasticTrainer, RunFailed
+    from ray_elastic.events import EventLog
+    from ray_elastic.metrics import MetricsCallback
+    from ray_elastic.progress import ProgressCallback
+
+    out = console.out
+    cluster.connect()
 
     lost_node = {"pending": False}
     # In a terminal a live progress line shows the run and prints the events
     # above it; elsewhere (logs, CI) the plain lines below do.
-    live = sys.stdout.isatty()
+    live = out.isatty()
     metrics = MetricsCallback(f"demo-{os.getpid()}")  # on the head node's Prometheus endpoint
     callbacks = [metrics]
-    progress = ProgressCallback(args.steps, stream=sys.stdout, events="all") if live else None
+    progress = ProgressCallback(args.steps, stream=out, events="all") if live else None
     if progress is not None:
         callbacks.append(progress)
     if args.events:
@@ -89,7 +134,7 @@ def _demo(args: argparse.Namespace) -> int:
     def on_event(e: dict) -> None:
         name = e["event"]
         if not live:
-            print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), flush=True)
+            print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), file=out)
         if name == "detected" and e["kind"] in ("node_died", "preempted"):
             lost_node["pending"] = True
         # A replacement node joins: at once when paused, and after the first
@@ -100,12 +145,12 @@ def _demo(args: argparse.Namespace) -> int:
             if progress is not None:
                 progress.message("  adding a replacement node to the cluster")
             else:
-                print("  adding a replacement node to the cluster", flush=True)
+                print("  adding a replacement node to the cluster", file=out)
             cluster.add_node()
 
     def on_step(step: int, loss: float, slices: int) -> None:
         if not live and (step % args.log_every == 0 or step == args.steps):
-            print(f"step {step:5d}/{args.steps}  loss {loss:.4f}  slices {slices}", flush=True)
+            print(f"step {step:5d}/{args.steps}  loss {loss:.4f}  slices {slices}", file=out)
 
     trainer = ElasticTrainer(
         factory, config, args.steps, faults=faults, remove_node=cluster.remove_node,
@@ -115,29 +160,30 @@ def _demo(args: argparse.Namespace) -> int:
         report = trainer.fit()
         rc = 0
     except RunFailed as e:
-        print(f"run failed: {e}", file=sys.stderr)
+        print(f"run failed: {e}", file=console.err)
         report, rc = trainer.report, 1
     finally:
         metrics.close()
-        cluster.shutdown()
 
-    print("\nsummary")
+    print("\nsummary", file=out)
     for f in report.failures:
         print(
             f"  failure {f.kind} slice {f.slice} at step {f.step}: detected in {f.detected_s:.3f} s, "
             f"next step after {f.recovered_s if f.recovered_s is None else round(f.recovered_s, 3)} s, "
-            f"steps redone {f.steps_rewound}, slices after {f.slices_after}"
+            f"steps redone {f.steps_rewound}, slices after {f.slices_after}",
+            file=out,
         )
     print(
         f"  steps {report.steps_completed}/{report.steps_requested}, final loss {report.final_loss:.4f}, "
         f"wall {report.wall_s:.1f} s, goodput {report.goodput:.2f}, driver pid "
-        f"{report.driver_pid_start} -> {report.driver_pid_end}"
+        f"{report.driver_pid_start} -> {report.driver_pid_end}",
+        file=out,
     )
     if args.report:
         report.write(args.report)
-        print(f"  report written to {args.report}")
+        print(f"  report written to {args.report}", file=out)
     if args.events:
-        print(f"  events written to {args.events} (draw them: ray-elastic timeline {args.events})")
+        print(f"  events written to {args.events} (draw them: ray-elastic timeline {args.events})", file=out)
     return rc
 
 
@@ -199,33 +245,46 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ray-elastic", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the example LM on a local cluster through a failure")
-    demo.add_argument("--policy", choices=("resize", "pause"), default="resize")
-    demo.add_argument("--slices", type=int, default=2)
-    demo.add_argument("--hosts-per-slice", type=int, default=1)
-    demo.add_argument("--steps", type=int, default=400)
-    demo.add_argument("--fail-at", type=int, default=None, help="step of the fault (default steps/4; -1: none)")
-    demo.add_argument("--fail-slice", type=int, default=1)
-    demo.add_argument("--fault", choices=("remove_node", "kill", "stop"), default="remove_node")
-    demo.add_argument("--timeout", type=float, default=120.0, help="timeout_s: wait for a replacement")
-    demo.add_argument("--hang-floor", type=float, default=10.0, help="step_deadline_floor_s")
-    demo.add_argument("--log-every", type=int, default=50)
-    demo.add_argument("--report", default=None, help="write the run report as JSON here")
-    demo.add_argument("--events", default=None, help="write the timeline as JSON lines here, as it happens")
-    demo.add_argument("--checkpoint", default=None, help="checkpoint.path: a folder or gs://bucket/prefix")
-    demo.add_argument("--save-every", type=int, default=100, help="checkpoint.save_every (steps)")
+    opt = demo.add_argument
+    opt("--policy", choices=("resize", "pause"), default="resize",
+        help="resize: train on the survivors at once; pause: wait for the replacement (default: %(default)s)")
+    opt("--slices", type=int, default=2, help="slices, one simulated node per host (default: %(default)s)")
+    opt("--hosts-per-slice", type=int, default=1, help="hosts (Ray nodes) in each slice (default: %(default)s)")
+    opt("--steps", type=int, default=400, help="training steps (default: %(default)s)")
+    opt("--fail-at", type=int, default=None, help="step of the fault; -1: no fault (default: steps/4)")
+    opt("--fail-slice", type=int, default=1, help="slice the fault hits (default: %(default)s)")
+    opt("--fault", choices=("remove_node", "kill", "stop"), default="remove_node",
+        help="remove_node: the node and its processes go; kill: SIGKILL a worker; "
+        "stop: SIGSTOP a worker, a hang (default: %(default)s)")
+    opt("--timeout", type=float, default=120.0,
+        help="timeout_s: seconds to wait for a replacement before failing (default: %(default)s)")
+    opt("--hang-floor", type=float, default=10.0,
+        help="step_deadline_floor_s: a step slower than this is a hang (default: %(default)s)")
+    opt("--log-every", type=int, default=50,
+        help="steps between progress lines when not in a terminal (default: %(default)s)")
+    opt("--report", default=None, help="write the run report as JSON to this file (default: none)")
+    opt("--events", default=None, help="write the timeline as JSON lines to this file, as it happens (default: none)")
+    opt("--checkpoint", default=None,
+        help="checkpoint.path: a folder or gs://bucket/prefix for durable checkpoints (default: none, snapshots only)")
+    opt("--save-every", type=int, default=100, help="checkpoint.save_every, in steps (default: %(default)s)")
     ck = sub.add_parser("checkpoints", help="list a run's checkpoint steps, committed or not")
     ck.add_argument("path", help="checkpoint.path: a folder or gs://bucket/prefix")
-    ck.add_argument("--json", action="store_true", help="print JSON")
-    ck.add_argument("--check", action="store_true", help="also check the path is writable")
+    ck.add_argument("--json", action="store_true", help="print JSON instead of a table (default: off)")
+    ck.add_argument("--check", action="store_true", help="also check that the path is writable (default: off)")
     tl = sub.add_parser("timeline", help="draw a run's events file or report as a PNG")
     tl.add_argument("events", nargs="?", default=None, help="events file (JSON lines, from demo --events / EventLog)")
-    tl.add_argument("--report", default=None, help="a run report JSON (demo --report) instead of an events file")
+    tl.add_argument("--report", default=None, help="a run report JSON (demo --report) instead of an events file (default: none)")
     tl.add_argument("-o", "--output", default=None, help="PNG to write (default: the input's name with .png)")
-    tl.add_argument("--title", default=None)
+    tl.add_argument("--title", default=None, help="the chart's title (default: policy, slices, steps and goodput)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "demo":

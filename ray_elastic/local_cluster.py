@@ -58,6 +58,11 @@ class LocalCluster:
     def address(self) -> str:
         return self.cluster.address
 
+    @property
+    def logs_dir(self) -> str:
+        """Where Ray writes this cluster's process logs."""
+        return self.cluster.head_node.get_logs_dir_path()
+
     def add_node(self) -> str:
         node = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store)
         self.nodes[node.node_id] = node
@@ -92,9 +97,11 @@ class LocalCluster:
             ray.init(address=self.address, log_to_driver=False, runtime_env=runtime_env)
 
     def shutdown(self) -> None:
+        """Idempotent: stop the connection, then every node."""
         if ray.is_initialized():
             ray.shutdown()
-        self.cluster.shutdown()
+        if self.cluster.head_node is not None or self.cluster.worker_nodes:
+            self.cluster.shutdown()
 
 
 def _worker_pids_on(node) -> list[int]:

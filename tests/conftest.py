@@ -45,7 +45,7 @@ def lm_factory():
 @pytest.fixture(scope="session")
 def gcs():
     """A real GCS-compatible server on loopback, with Orbax pointed at it."""
-    from ray_elastic.testing import FakeGcs
+    from tests.fake_gcs import FakeGcs
 
     server = FakeGcs().start()
     server.point_env()

@@ -85,7 +85,7 @@ def test_fake_slices_failure_is_actor_died(cluster):
     import ray
     from ray import exceptions as rex
 
-    from ray_elastic.fake_slices import dead_ref
+    from bench.fake_slices import dead_ref
 
     with pytest.raises(rex.ActorDiedError):
         ray.get(dead_ref(), timeout=30)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pickle
 
-import cloudpickle
+from ray import cloudpickle  # what Ray uses between processes
 import pytest
 
 from ray_elastic import errors
