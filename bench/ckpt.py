@@ -31,7 +31,7 @@ def _big_state(mb: int):
 
 
 def restore_rates(mb: int, runs: int) -> dict:
-    from ray_elastic.checkpoints import CheckpointStore, refresh_listings
+    from ray_elastic.checkpoint import CheckpointStore, refresh_listings
     from tests.fake_gcs import FakeGcs
 
     state = _big_state(mb)

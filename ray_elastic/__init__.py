@@ -2,7 +2,8 @@
 failures, with the Ray driver as the single controller."""
 
 from ray_elastic.callbacks import Callback
-from ray_elastic.checkpoints import CheckpointConfig, CheckpointStorageFailed, StorageError
+from ray_elastic.checkpoint import CheckpointConfig
+from ray_elastic.errors import CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
 from ray_elastic.controller import ElasticTrainer
 from ray_elastic.errors import (

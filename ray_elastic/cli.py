@@ -81,7 +81,7 @@ def _demo(args: argparse.Namespace) -> int:
         timeout_s=args.timeout,
         step_deadline_floor_s=args.hang_floor,
     )  # validated here, before any process or node is started
-    from ray_elastic.checkpoints import CheckpointConfig
+    from ray_elastic.checkpoint import CheckpointConfig
 
     checkpoint = CheckpointConfig(args.checkpoint, save_every=args.save_every) if args.checkpoint else None
     fail_at = args.steps // 4 if args.fail_at is None else args.fail_at
@@ -188,7 +188,8 @@ def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> in
 
 
 def _timeline(args: argparse.Namespace) -> int:
-    from ray_elastic.timeline import TimelineInputError, main_timeline
+    from ray_elastic.errors import TimelineInputError
+    from ray_elastic.timeline import main_timeline
 
     if (args.events is None) == (args.report is None):
         print("ray-elastic timeline: give an events file or --report REPORT.json (one of them)", file=sys.stderr)
@@ -210,7 +211,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
     """List a run's checkpoint steps, committed or not."""
     import datetime
 
-    from ray_elastic.checkpoints import CheckpointStore, StorageError
+    from ray_elastic.checkpoint import CheckpointStore, StorageError
 
     store = CheckpointStore(args.path)
     try:

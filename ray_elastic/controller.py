@@ -27,8 +27,8 @@ from ray import exceptions as rex
 
 from ray_elastic import drain
 from ray_elastic.callbacks import Callback, FunctionCallback
-from ray_elastic.checkpointing import CheckpointCoordinator
-from ray_elastic.checkpoints import CheckpointConfig
+from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
+from ray_elastic.checkpoint import CheckpointConfig
 from ray_elastic.config import ElasticConfig
 from ray_elastic.data import assign_shards
 from ray_elastic.errors import ElasticError, FailureKind, RunFailed, SliceFailure, SlicePreempted

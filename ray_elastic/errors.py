@@ -22,6 +22,10 @@ __all__ = [
     "RunFailed",
     "RetryBudgetExhausted",
     "ReplacementTimeout",
+    "StorageError",
+    "CheckpointStorageFailed",
+    "EventsFileError",
+    "TimelineInputError",
 ]
 
 
@@ -110,3 +114,25 @@ class RetryBudgetExhausted(RunFailed):
 
 class ReplacementTimeout(RunFailed):
     """Not enough slices came back within `timeout_s`."""
+
+
+class CheckpointStorageFailed(RunFailed):
+    """Checkpoint saves kept failing; the state was rescued to local disk."""
+
+
+class StorageError(ElasticError):
+    """Checkpoint storage could not be read or written."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+
+    def __reduce__(self):
+        return (type(self), (self.args[0],))
+
+
+class EventsFileError(ElasticError, ValueError):
+    """An events file (EventLog's JSON lines) cannot be read; names the file and line."""
+
+
+class TimelineInputError(ElasticError, ValueError):
+    """`ray-elastic timeline` was given something it cannot draw."""

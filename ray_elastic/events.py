@@ -31,14 +31,13 @@ import time
 from typing import Any, Callable, Optional
 
 from ray_elastic.callbacks import Callback
+from ray_elastic.errors import EventsFileError
 
-__all__ = ["EventLog", "read_events", "EventsFileError"]
+__all__ = ["EventLog", "read_events"]
 
 log = logging.getLogger("ray_elastic")
 
 
-class EventsFileError(ValueError):
-    """An events file that cannot be read: says which file and line."""
 
 
 def _jsonable(x: Any) -> Any:

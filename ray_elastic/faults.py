@@ -14,6 +14,8 @@ import signal
 import time
 from typing import Callable, Optional
 
+from ray_elastic.errors import ConfigError
+
 __all__ = ["Fault", "FaultInjector", "FAULT_KINDS"]
 
 FAULT_KINDS = ("kill", "remove_node", "stop", "term")
@@ -33,16 +35,16 @@ class Fault:
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
-            raise ValueError(f"fault kind {self.kind!r}: use one of {FAULT_KINDS}")
+            raise ConfigError("faults", f"fault kind {self.kind!r}: use one of {FAULT_KINDS}")
         if self.slice_id < 0 or self.step < 0 or self.host < 0:
-            raise ValueError("fault slice, step and host must be >= 0")
+            raise ConfigError("faults", "fault slice, step and host must be >= 0")
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
         """'KIND:SLICE:STEP[:HOST]', e.g. 'kill:1:20'."""
         parts = text.split(":")
         if len(parts) not in (3, 4):
-            raise ValueError(f"fault {text!r}: expected KIND:SLICE:STEP[:HOST]")
+            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST]")
         kind, *nums = parts
         return cls(kind, *[int(n) for n in nums])
 
@@ -65,7 +67,7 @@ class FaultInjector:
         self.fired: list[Fired] = []
         self._remove_node = remove_node
         if any(f.kind == "remove_node" for f in faults) and remove_node is None:
-            raise ValueError("a remove_node fault needs a cluster that can remove nodes")
+            raise ConfigError("faults", "a remove_node fault needs a cluster that can remove nodes (remove_node=...)")
 
     def fire_due(self, step: int, live: dict) -> list[Fired]:
         """Fire every fault due at `step` on a live slice. `live` maps slice
@@ -76,7 +78,7 @@ class FaultInjector:
                 continue
             infos = live[f.slice_id].infos
             if f.host >= len(infos):
-                raise ValueError(f"fault {f}: slice has only {len(infos)} hosts")
+                raise ConfigError("faults", f"fault {f}: slice has only {len(infos)} hosts")
             info = infos[f.host]
             fired = Fired(f, time.time(), time.monotonic(), info["pid"], info["node_id"])
             if f.kind == "kill":

@@ -18,13 +18,12 @@ import json
 import os
 from typing import Any, NamedTuple, Optional
 
-from ray_elastic.events import EventsFileError, read_events
+from ray_elastic.errors import EventsFileError, TimelineInputError
+from ray_elastic.events import read_events
 
-__all__ = ["RunTimeline", "StepPoint", "load_timeline", "draw_timeline", "TimelineInputError"]
+__all__ = ["RunTimeline", "StepPoint", "load_timeline", "draw_timeline"]
 
 
-class TimelineInputError(ValueError):
-    """The input is not an events file nor a run report."""
 
 
 class StepPoint(NamedTuple):

@@ -15,7 +15,7 @@ import uuid
 import numpy as np
 import pytest
 
-from ray_elastic.checkpoints import CheckpointConfig, CheckpointStore, StorageError
+from ray_elastic.checkpoint import CheckpointConfig, CheckpointStore, StorageError
 from ray_elastic.errors import ConfigError
 
 
@@ -78,7 +78,7 @@ def test_background_saves_take_idle_cpu_and_escalate_when_starved():
         pytest.skip("no SCHED_IDLE on this OS")
     code = textwrap.dedent("""
         import os, threading, time
-        from ray_elastic.checkpoints import _idle_class_reversible, background_cpu
+        from ray_elastic.checkpoint.cpu_priority import _idle_class_reversible, background_cpu
         if not _idle_class_reversible():
             print("unprivileged"); raise SystemExit
         def policies():
@@ -113,7 +113,7 @@ def test_writer_killed_mid_write_leaves_nothing_that_blocks(root, tmp_path):
     script.write_text(textwrap.dedent(f"""
         import sys, numpy as np
         sys.path.insert(0, {os.getcwd()!r})
-        from ray_elastic.checkpoints import CheckpointStore
+        from ray_elastic.checkpoint import CheckpointStore
         big = {{"params": {{f"w{{i}}": np.random.default_rng(i).standard_normal((1024, 1024)).astype(np.float32) for i in range(64)}},
                "opt_state": [np.asarray(2, np.int32)]}}
         print("writing", flush=True)

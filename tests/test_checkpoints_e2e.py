@@ -17,7 +17,7 @@ import ray
 
 from ray_elastic import CheckpointConfig, ConfigError, ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.callbacks import FunctionCallback
-from ray_elastic.checkpoints import CheckpointStore, refresh_listings
+from ray_elastic.checkpoint import CheckpointStore, refresh_listings
 
 pytestmark = pytest.mark.cluster
 

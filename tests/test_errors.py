@@ -140,3 +140,24 @@ def test_can_catch_as_elastic_error():
         raise NodeDied(0, 0, 0, "gone")
     with pytest.raises(ElasticError):
         raise ReplacementTimeout("late", setting="timeout_s")
+
+
+def test_every_exception_class_lives_in_errors_py():
+    """One hierarchy: no module of the package defines an exception class
+    of its own, and every one in errors.py derives from ElasticError."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import ray_elastic
+
+    elsewhere = []
+    for mod in pkgutil.walk_packages(ray_elastic.__path__, "ray_elastic."):
+        module = importlib.import_module(mod.name)
+        for name, obj in vars(module).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == mod.name:
+                if mod.name != "ray_elastic.errors":
+                    elsewhere.append(f"{mod.name}.{name}")
+                else:
+                    assert issubclass(obj, errors.ElasticError), name
+    assert not elsewhere, f"exception classes outside ray_elastic/errors.py: {elsewhere}"

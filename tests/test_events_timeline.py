@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from ray_elastic.cli import main
-from ray_elastic.events import EventLog, EventsFileError, read_events
+from ray_elastic.errors import EventsFileError
+from ray_elastic.events import EventLog, read_events
 from ray_elastic.report import FailureRecord, RunReport
 from ray_elastic.timeline import load_timeline
 

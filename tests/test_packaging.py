@@ -15,6 +15,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -191,10 +192,12 @@ def test_wheel_runs_the_demo_from_an_empty_folder(tmp_path):
     survives its fault, and its output carries no Ray process dump.
     (The wheel goes into a folder of its own that shadows the editable
     install; its dependencies are this environment's.)"""
-    wheels, site, empty = tmp_path / "wheels", tmp_path / "site", tmp_path / "empty"
+    wheels, site, empty, src = (tmp_path / d for d in ("wheels", "site", "empty", "src"))
     empty.mkdir()
+    # Build from a copy: setuptools leaves build/ and *.egg-info behind.
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", ".pytest_cache"))
     pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), ROOT], check=True, timeout=300)
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(src)], check=True, timeout=300)
     (wheel,) = wheels.glob("ray_elastic-*.whl")
     subprocess.run([*pip, "install", "--no-deps", "--target", str(site), str(wheel)], check=True, timeout=120)
     env = {**os.environ, "PYTHONPATH": str(site)}

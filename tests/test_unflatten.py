@@ -6,7 +6,7 @@ import numpy as np
 import optax
 from jax.flatten_util import ravel_pytree
 
-from ray_elastic.checkpoints import unflatten
+from ray_elastic.checkpoint import unflatten
 
 
 def test_unflatten_inverts_ravel_of_params_and_adam_state():

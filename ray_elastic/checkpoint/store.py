@@ -6,13 +6,8 @@ optimizer state, `PATH/<step>/meta` for the data position and run facts),
 written by a `CheckpointManager`, so plain Orbax restores it. Only steps
 Orbax marks finalized (an atomic rename locally, `commit_success.txt` on
 GCS) are ever restored; anything else is an incomplete step, swept aside
-before a restore or a save so it can never block one.
-
-The state is replicated on every slice, so one writer suffices: a small
-actor next to the driver takes the newest in-memory snapshot from the
-object store and writes it, off the step loop. A writer killed mid-write is
-replaced like any failed worker; a failed save drops its manager, so no
-failed save is ever cached.
+before a restore or a save so it can never block one. A failed save drops
+its manager, so no failed save is ever cached.
 """
 
 from __future__ import annotations
@@ -20,21 +15,13 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-import os
-import tempfile
 import threading
 import time
 from typing import Any, Callable, Optional
 
-from ray_elastic.errors import ConfigError, ElasticError, RunFailed
+from ray_elastic.errors import StorageError
 
-__all__ = [
-    "CheckpointConfig",
-    "CheckpointStore",
-    "StepInfo",
-    "StorageError",
-    "CheckpointStorageFailed",
-]
+__all__ = ["CheckpointStore", "StepInfo", "STORAGE_ENV", "refresh_listings", "unflatten"]
 
 log = logging.getLogger("ray_elastic")
 # gcsfs warns on every call when no cloud credentials exist (an emulator, a
@@ -57,72 +44,6 @@ def _ocp():
         from orbax.checkpoint.path import step  # noqa: F401 (same reason)
 
         return ocp
-
-
-class StorageError(ElasticError):
-    """Checkpoint storage could not be read or written."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-
-    def __reduce__(self):
-        return (type(self), (self.args[0],))
-
-
-class CheckpointStorageFailed(RunFailed):
-    """Checkpoint saves kept failing; the state was rescued to local disk."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointConfig:
-    """path: local folder or gs://bucket/prefix.
-    save_every: steps between checkpoints (0: only at preemption and end).
-    keep: committed steps kept; older ones are deleted.
-    continuous: start the next save as soon as the previous one commits
-        (save_every is then a floor, not a cadence).
-    save_at_end: checkpoint the final step.
-    storage_retries / retry_backoff_s: a failing write is retried this many
-        times, doubling the wait each time, before the save counts as failed.
-    max_failed_saves: consecutive failed saves before the run stops, after
-        rescuing the state to `rescue_dir`.
-    save_timeout_s: a save still running after this long (a storage that
-        stopped answering) is abandoned and its writer replaced.
-    """
-
-    path: str
-    save_every: int = 100
-    keep: int = 3
-    continuous: bool = False
-    save_at_end: bool = True
-    storage_retries: int = 4
-    retry_backoff_s: float = 0.5
-    max_failed_saves: int = 3
-    save_timeout_s: float = 600.0
-    rescue_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "rescue")
-
-    def __post_init__(self):
-        if not isinstance(self.path, str) or not self.path.strip():
-            raise ConfigError("checkpoint.path", "must be a folder or gs://bucket/prefix")
-        scheme = self.path.split("://", 1)[0] if "://" in self.path else ""
-        if scheme not in ("", "file", "gs"):
-            raise ConfigError("checkpoint.path", f"scheme {scheme!r} is not supported; use a folder or gs://")
-        if scheme == "gs" and not self.path[len("gs://"):].split("/")[0]:
-            raise ConfigError("checkpoint.path", f"{self.path!r} names no bucket")
-        for name in ("save_every", "storage_retries"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 0, got {v!r}")
-        for name in ("keep", "max_failed_saves"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"checkpoint.{name}", f"must be an integer >= 1, got {v!r}")
-        if not isinstance(self.save_timeout_s, (int, float)) or self.save_timeout_s <= 0:
-            raise ConfigError("checkpoint.save_timeout_s", f"must be > 0, got {self.save_timeout_s!r}")
-        if not isinstance(self.retry_backoff_s, (int, float)) or self.retry_backoff_s < 0:
-            raise ConfigError("checkpoint.retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s!r}")
-
-    def due(self, step: int) -> bool:
-        return bool(self.save_every) and step % self.save_every == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,144 +296,3 @@ def unflatten(flat, template) -> dict:
         raise ValueError(f"snapshot has {flat.shape[0]} values, the state template needs {offset}")
     params, opt_state = jax.tree.unflatten(treedef, out)
     return {"params": params, "opt_state": opt_state}
-
-
-def _cpu_class(background: bool, skip: frozenset = frozenset()) -> bool:
-    """Put every thread of this process (but `skip`) in Linux's idle
-    scheduling class, or back in the normal one. Threads started later
-    (Orbax's, tensorstore's) inherit the class of the thread that starts
-    them. Returns False where some thread could not be moved."""
-    policy = getattr(os, "SCHED_IDLE" if background else "SCHED_OTHER", None)
-    if policy is None or not os.path.isdir("/proc/self/task"):
-        return False
-    ok = True
-    for tid in os.listdir("/proc/self/task"):
-        if int(tid) in skip:
-            continue
-        try:
-            os.sched_setscheduler(int(tid), policy, os.sched_param(0))
-        except (OSError, ValueError):
-            ok = False  # the thread ended, or no permission
-    return ok
-
-
-def _idle_class_reversible() -> bool:
-    """Whether this process may leave the idle class again (unprivileged
-    processes may not, under the usual RLIMIT_NICE of 0): tried on a
-    scratch thread."""
-    if not hasattr(os, "SCHED_IDLE"):
-        return False
-    result = []
-
-    def probe():
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
-            result.append(True)
-        except OSError:
-            result.append(False)
-
-    t = threading.Thread(target=probe, daemon=True)
-    t.start()
-    t.join()
-    return bool(result and result[0])
-
-
-class background_cpu:
-    """Run a block in Linux's idle CPU class: its threads then take only
-    CPU time nothing else wants, so a periodic save where the writer shares
-    CPUs with training (a small head node, a laptop) waits for the steps'
-    idle moments instead of slowing them (a nice value still takes a share).
-    A block still running after `grace_s` (the CPUs are never idle) goes
-    back to the normal class, so a save is late, never starved. Used only
-    where the process may leave the class again; elsewhere the block runs
-    in the normal class."""
-
-    _reversible: Optional[bool] = None
-
-    def __init__(self, grace_s: float):
-        self.grace_s = grace_s
-        self.escalated = False
-        self._timer: Optional[threading.Timer] = None
-
-    def __enter__(self):
-        if background_cpu._reversible is None:
-            background_cpu._reversible = _idle_class_reversible()
-        if not background_cpu._reversible:
-            return self
-        # The timer thread stays in the normal class: it must run to lift
-        # the block out of a CPU that is never idle.
-        self._timer = threading.Timer(self.grace_s, self._escalate)
-        self._timer.daemon = True
-        self._timer.start()
-        _cpu_class(background=True, skip=frozenset({self._timer.native_id}))
-        return self
-
-    def _escalate(self) -> None:
-        self.escalated = True
-        _cpu_class(background=False)
-        log.warning("checkpoint writer: no idle CPU for %.0f s; saving at normal priority", self.grace_s)
-
-    def __exit__(self, *exc) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            _cpu_class(background=False)
-
-
-# A periodic save still waiting for idle CPU after this long is given the
-# normal class (see background_cpu).
-BACKGROUND_SAVE_GRACE_S = 30.0
-
-
-class CheckpointWriter:
-    """Runs as a Ray actor next to the driver: turns snapshots from the
-    object store into committed Orbax steps, and reads them back.
-
-    Periodic saves run in the idle CPU class (`background_cpu`); urgent
-    ones (a preemption notice, the end of the run) and restores in the
-    normal class."""
-
-    def __init__(self, path: str, keep: int, retries: int, backoff_s: float):
-        self.store = CheckpointStore(path, keep=keep, retries=retries, backoff_s=backoff_s)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def warm(self) -> int:
-        """Import Orbax and JAX and open the manager now, while the slices
-        start, so the first save does not pay for it during training.
-        (Normal CPU class: the run waits for this before its first step.)"""
-        import jax  # noqa: F401
-
-        _ocp()
-        try:
-            self.store.open()
-        except Exception as e:  # the first save retries and reports it
-            log.warning("checkpoint writer: cannot open %s yet: %s", self.store.path, e)
-        return os.getpid()
-
-    def save(self, step: int, snapshot: dict, template: Any, meta: dict, urgent: bool = False) -> dict:
-        if urgent:
-            return self._save(step, snapshot, template, meta)
-        with background_cpu(BACKGROUND_SAVE_GRACE_S) as cpu:
-            info = self._save(step, snapshot, template, meta)
-        info["escalated"] = cpu.escalated
-        return info
-
-    def _save(self, step: int, snapshot: dict, template: Any, meta: dict) -> dict:
-        if "flat" in snapshot:
-            state = unflatten(snapshot["flat"], template)
-        else:
-            state = {"params": snapshot["params"], "opt_state": snapshot["opt_state"]}
-        return self.store.save(step, state, {**meta, "step": step})
-
-    def restore(self, step: Optional[int], template: Any) -> dict:
-        import jax
-        import numpy as np
-
-        target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), template)
-        state, meta = self.store.restore(step, target)
-        return {"step": int(meta["step"]), "params": state["params"], "opt_state": state["opt_state"], "meta": meta}
-
-    def read_meta(self, step: int) -> dict:
-        return self.store.read_meta(step)

@@ -20,15 +20,10 @@ import ray
 from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_elastic.checkpoints import (
-    STORAGE_ENV,
-    CheckpointConfig,
-    CheckpointStorageFailed,
-    CheckpointStore,
-    CheckpointWriter,
-    StorageError,
-)
-from ray_elastic.errors import ConfigError
+from ray_elastic.checkpoint.config import CheckpointConfig
+from ray_elastic.checkpoint.store import STORAGE_ENV, CheckpointStore
+from ray_elastic.checkpoint.writer import CheckpointWriter
+from ray_elastic.errors import CheckpointStorageFailed, ConfigError, StorageError
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -199,7 +194,7 @@ class CheckpointCoordinator:
     def rescue(self, step: int, snapshot_ref, run_name: str) -> str:
         """Write the newest state to local disk when the storage keeps
         failing, so nothing trained is lost silently."""
-        from ray_elastic.checkpoints import unflatten
+        from ray_elastic.checkpoint.store import unflatten
 
         folder = os.path.join(self.config.rescue_dir, run_name)
         snapshot = ray.get(snapshot_ref)

@@ -1,0 +1,18 @@
+"""Durable checkpoints: what to write and when (config), Orbax steps on disk
+or GCS (store), the writer actor beside the driver (writer), the driver's
+side of saves and their failures (coordinator), and the idle CPU class
+periodic saves run in (cpu_priority)."""
+
+from ray_elastic.checkpoint.config import CheckpointConfig
+from ray_elastic.checkpoint.store import CheckpointStore, StepInfo, refresh_listings, unflatten
+from ray_elastic.errors import CheckpointStorageFailed, StorageError
+
+__all__ = [
+    "CheckpointConfig",
+    "CheckpointStore",
+    "StepInfo",
+    "refresh_listings",
+    "unflatten",
+    "StorageError",
+    "CheckpointStorageFailed",
+]
