@@ -41,6 +41,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--max-retries", type=int, default=10)
     p.add_argument("--fault", default=None, help="inject KIND:SLICE:STEP[:HOST] (testing)")
     p.add_argument("--report", default=None, help="write the run report (JSON) here")
+    p.add_argument("--checkpoint", default=None,
+                   help="checkpoint.path: a folder or gs://bucket/prefix; a resubmitted job resumes from its newest committed step")
+    p.add_argument("--save-every", type=int, default=100, help="checkpoint.save_every, in steps")
+    p.add_argument("--events", default=None, help="write the event timeline (JSON lines) here, as it happens")
     return p.parse_args(argv)
 
 
@@ -82,11 +86,23 @@ def main(argv=None) -> int:
         if step % 50 == 0 or step == args.steps:
             print(f"step {step}/{args.steps} loss {loss:.4f} slices {slices}", flush=True)
 
+    from ray_elastic import CheckpointConfig
+    from ray_elastic.events import EventLog
+    from ray_elastic.metrics import MetricsCallback
+
+    checkpoint = CheckpointConfig(args.checkpoint, save_every=args.save_every) if args.checkpoint else None
+    # ray_elastic_* metrics on the cluster's Prometheus endpoint / dashboard.
+    callbacks = [MetricsCallback(f"train_lm-{os.getpid()}")]
+    if args.events:
+        callbacks.append(EventLog(args.events))
     trainer = ElasticTrainer(
         functools.partial(lm.make_program, lm.LMConfig()), config, args.steps,
-        faults=faults, on_step=on_step, on_event=on_event,
+        faults=faults, on_step=on_step, on_event=on_event, callbacks=callbacks, checkpoint=checkpoint,
     )
-    report = trainer.fit()
+    try:
+        report = trainer.fit()
+    finally:
+        callbacks[0].close()
     for f in report.failures:
         print(f"recovered from {f.kind} of slice {f.slice} at step {f.step} in {f.recovered_s} s", flush=True)
     print(f"done: {report.steps_completed} steps, final loss {report.final_loss:.4f}, driver pid {report.driver_pid_end}")

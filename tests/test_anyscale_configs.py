@@ -419,19 +419,9 @@ def test_entrypoint_needs_only_the_checkpoint_flags_beyond_train_lm(path):
     """Everything but --checkpoint / --save-every already parses with
     train_lm.py's own parser (values and types included)."""
     _, unknown = train_lm_args(load_job(path).entrypoint)
-    assert {a for a in unknown if a.startswith("-")} <= {"--checkpoint", "--save-every"}, unknown
+    assert unknown == [], unknown
 
 
-def _train_lm_knows(flag: str) -> bool:
-    return not train_lm_args(f"python {TRAINER} {flag} 1")[1]
-
-
-@pytest.mark.xfail(
-    not (_train_lm_knows("--checkpoint") and _train_lm_knows("--save-every")),
-    reason="examples/train_lm.py has no --checkpoint / --save-every flags yet (issue #14): "
-    "the Anyscale jobs need them for durable checkpoints on gs://",
-    strict=True,
-)
 @pytest.mark.parametrize("path", JOBS, ids=_ids(JOBS))
 def test_entrypoint_parses_with_train_lm(path):
     _, unknown = train_lm_args(load_job(path).entrypoint)
