@@ -17,7 +17,10 @@ running Ray:
    GKE node selectors are present and agree with the trainer's flags, slices
    = replicas, the entrypoint runs examples/train_lm.py, the RayJob's cluster
    equals the RayCluster of the same name, one image and one Ray version
-   everywhere (= the pin in pyproject.toml), the head hosts no workers.
+   everywhere (= the pin in pyproject.toml), the head hosts no workers;
+   production settings: token authentication on for every node (KubeRay
+   `authOptions.mode: token`; the launchers' RAY_AUTH_MODE=token and token
+   file), and the head's node health checks tuned for training.
 3. Negative tests: mutated manifests are rejected, so a green run means the
    validators ran, not that they accept anything.
 """
@@ -638,6 +641,215 @@ def test_tpu_launcher_names_the_same_slice_as_the_manifest():
 
 
 # ---------------------------------------------------------------------------
+# Production settings: token authentication and node health checks
+# ---------------------------------------------------------------------------
+
+# Ray's settings for how fast the GCS declares a node dead, as RayConfig keys;
+# on a head they are set as the environment variables RAY_<key>.
+HEALTH_CHECK_KEYS = (
+    "health_check_initial_delay_ms",
+    "health_check_period_ms",
+    "health_check_timeout_ms",
+    "health_check_failure_threshold",
+)
+
+
+def _ray_config_defaults() -> dict[str, int]:
+    from ray._raylet import Config
+
+    return {key: int(getattr(Config, key)()) for key in HEALTH_CHECK_KEYS}
+
+
+def health_check_problems(env: dict[str, Any], where: str) -> list[str]:
+    """Problems of a head's health-check environment (`RAY_<key>` -> value).
+
+    Every key set, to integers; at least as tolerant as the one-machine
+    cluster the tests use (ray_elastic.local_cluster.FAST_FAILURE_DETECTION:
+    a real network is slower, not faster); at least 2 misses in a row (one
+    slow reply must never cost a slice); and a lost node declared dead
+    sooner than with Ray's defaults, both a crashed one (threshold x period)
+    and a silent one (threshold x (period + timeout))."""
+    from ray_elastic.local_cluster import FAST_FAILURE_DETECTION
+
+    values, problems = {}, []
+    for key in HEALTH_CHECK_KEYS:
+        raw = env.get(f"RAY_{key}")
+        if raw is None:
+            problems.append(f"{where}: RAY_{key} is not set")
+            continue
+        try:
+            values[key] = int(str(raw))
+        except ValueError:
+            problems.append(f"{where}: RAY_{key}={raw!r} is not an integer")
+    if problems:
+        return problems
+    for key, local in FAST_FAILURE_DETECTION.items():
+        if key != "health_check_initial_delay_ms" and values[key] < local:
+            problems.append(f"{where}: {key} {values[key]} is tighter than the local test cluster's {local}")
+    if values["health_check_failure_threshold"] < 2:
+        problems.append(f"{where}: health_check_failure_threshold must be >= 2 (one slow reply would kill a node)")
+
+    def crashed(v):  # refused at once: threshold checks, period apart
+        return v["health_check_failure_threshold"] * v["health_check_period_ms"]
+
+    def silent(v):  # every check waits out its timeout
+        return v["health_check_failure_threshold"] * (v["health_check_period_ms"] + v["health_check_timeout_ms"])
+
+    defaults = _ray_config_defaults()
+    for name, worst in (("crashed", crashed), ("silent", silent)):
+        if worst(values) >= worst(defaults):
+            problems.append(
+                f"{where}: a {name} node is declared dead after ~{worst(values)} ms, "
+                f"not sooner than with Ray's defaults (~{worst(defaults)} ms)"
+            )
+    return problems
+
+
+def _container_env(container: dict) -> dict[str, Any]:
+    """name -> value (or the valueFrom mapping) of a container's env."""
+    return {e["name"]: e["value"] if "value" in e else e.get("valueFrom") for e in container.get("env") or []}
+
+
+def _all_containers(pod_template: dict) -> list[dict]:
+    spec = pod_template.get("spec") or {}
+    return list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
+
+
+def auth_problems(manifest: dict) -> list[str]:
+    """Token authentication of a RayCluster / RayJob manifest: on through
+    `authOptions.mode: token` (KubeRay then generates the token's Secret and
+    sets RAY_AUTH_MODE and RAY_AUTH_TOKEN on every Ray container), with no
+    container turning it off (KubeRay keeps an env var a container already
+    sets) and no token written into the manifest itself."""
+    spec = _cluster_spec(manifest)
+    problems = []
+    mode = (spec.get("authOptions") or {}).get("mode")
+    if mode != "token":
+        problems.append(f"authOptions.mode is {mode!r}, not 'token': anyone who reaches the head can run code")
+    pods = [("head", spec["headGroupSpec"]["template"])]
+    pods += [(g.get("groupName", "?"), g["template"]) for g in spec.get("workerGroupSpecs") or []]
+    if manifest["kind"] == "RayJob" and manifest["spec"].get("submitterPodTemplate"):
+        pods.append(("submitter", manifest["spec"]["submitterPodTemplate"]))
+    for where, pod in pods:
+        for c in _all_containers(pod):
+            env = _container_env(c)
+            if "RAY_AUTH_MODE" in env and env["RAY_AUTH_MODE"] != "token":
+                problems.append(f"{where}/{c.get('name')}: RAY_AUTH_MODE={env['RAY_AUTH_MODE']!r} turns authentication off")
+            if isinstance(env.get("RAY_AUTH_TOKEN"), str):
+                problems.append(f"{where}/{c.get('name')}: RAY_AUTH_TOKEN is written in the manifest; keep it in a Secret")
+    return problems
+
+
+def manifest_health_check_problems(manifest: dict) -> list[str]:
+    head = _cluster_spec(manifest)["headGroupSpec"]["template"]
+    ray_head = _containers(head)[0]  # KubeRay's Ray container is the first
+    return health_check_problems(_container_env(ray_head), f"head container {ray_head.get('name')!r}")
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_manifest_has_token_auth(path):
+    assert auth_problems(_load_yaml(path)) == []
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_manifest_head_sets_health_checks(path):
+    assert manifest_health_check_problems(_load_yaml(path)) == []
+
+
+_DOCKER_ENV = re.compile(r"^(?:--env|-e)[ =](\w+)=(\S*)$")
+
+
+def _docker_env(options: list[str]) -> dict[str, str]:
+    env = {}
+    for option in options:
+        m = _DOCKER_ENV.match(option.strip())
+        if m:
+            env[m.group(1)] = m.group(2)
+    return env
+
+
+def launcher_node_env(config: dict, node_type: str) -> dict[str, str] | None:
+    """The environment `docker run` gives a node type's Ray container: the
+    top-level `docker` section updated (shallowly, as the launcher does)
+    with the node type's own, run_options plus head_ or worker_run_options.
+    None when the config runs Ray without docker."""
+    if "docker" not in config:
+        return None
+    docker = {**config["docker"], **(config["available_node_types"][node_type].get("docker") or {})}
+    role = "head" if node_type == config["head_node_type"] else "worker"
+    return _docker_env(list(docker.get("run_options") or []) + list(docker.get(f"{role}_run_options") or []))
+
+
+def launcher_auth_problems(config: dict) -> list[str]:
+    problems = []
+    for node_type in config.get("available_node_types", {}):
+        env = launcher_node_env(config, node_type)
+        if env is None:
+            return ["no docker section: this check reads RAY_AUTH_MODE from docker run options"]
+        if env.get("RAY_AUTH_MODE") != "token":
+            problems.append(f"{node_type}: its container does not get RAY_AUTH_MODE=token")
+        if "RAY_AUTH_TOKEN" in env:
+            problems.append(f"{node_type}: RAY_AUTH_TOKEN is written in the config; mount a token file instead")
+    mounts = config.get("file_mounts") or {}
+    token_paths = {"~/.ray/auth_token"} | {
+        launcher_node_env(config, t).get("RAY_AUTH_TOKEN_PATH") for t in config.get("available_node_types", {})
+    }
+    if not token_paths & set(mounts):
+        problems.append("file_mounts does not put the token on the nodes (~/.ray/auth_token or RAY_AUTH_TOKEN_PATH)")
+    return problems
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=_ids(LAUNCHERS))
+def test_launcher_has_token_auth(path):
+    assert launcher_auth_problems(_load_yaml(path)) == []
+
+
+@pytest.mark.parametrize("path", LAUNCHERS, ids=_ids(LAUNCHERS))
+def test_launcher_head_sets_health_checks(path):
+    config = _load_yaml(path)
+    head = config["head_node_type"]
+    assert health_check_problems(launcher_node_env(config, head) or {}, f"{head} container") == []
+
+
+def test_every_config_sets_the_same_health_checks():
+    """One tuning, stated once in the docs, everywhere."""
+    seen = {}
+    for path in MANIFESTS:
+        env = _container_env(_containers(_cluster_spec(_load_yaml(path))["headGroupSpec"]["template"])[0])
+        seen[path.name] = {k: str(env.get(f"RAY_{k}")) for k in HEALTH_CHECK_KEYS}
+    for path in LAUNCHERS:
+        config = _load_yaml(path)
+        env = launcher_node_env(config, config["head_node_type"]) or {}
+        seen[path.name] = {k: str(env.get(f"RAY_{k}")) for k in HEALTH_CHECK_KEYS}
+    assert len({tuple(sorted(v.items())) for v in seen.values()}) == 1, seen
+
+
+def test_health_check_variables_reach_ray():
+    """The RAY_<key> names are Ray's own: a process started with them set
+    reads them into its RayConfig (a misspelt one would be ignored
+    silently)."""
+    import subprocess
+    import sys
+
+    from ray._raylet import Config
+
+    for key in HEALTH_CHECK_KEYS:
+        assert callable(getattr(Config, key, None)), f"{key} is not a RayConfig key of this Ray"
+    env = _container_env(_containers(_cluster_spec(_load_yaml(MANIFESTS[0]))["headGroupSpec"]["template"])[0])
+    want = {k: int(env[f"RAY_{k}"]) for k in HEALTH_CHECK_KEYS}
+    code = (
+        "import json; from ray._raylet import Config; "
+        f"print(json.dumps({{k: getattr(Config, k)() for k in {list(HEALTH_CHECK_KEYS)!r}}}))"
+    )
+    child_env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_health_check")}
+    child_env.update({f"RAY_{k}": str(v) for k, v in want.items()})
+    out = subprocess.run([sys.executable, "-c", code], env=child_env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == want
+    assert want != _ray_config_defaults()
+
+
+# ---------------------------------------------------------------------------
 # Docs
 # ---------------------------------------------------------------------------
 
@@ -777,6 +989,78 @@ def test_cluster_checks_catch_a_head_that_hosts_slices_and_mixed_images():
     problems = cluster_problems(cluster)
     assert any("num-cpus" in p for p in problems), problems
     assert any("different images" in p for p in problems), problems
+
+
+def test_auth_check_catches_auth_off():
+    cluster = _load_yaml(CONFIGS / "raycluster-tpu-v6e.yaml")
+    assert auth_problems(cluster) == []
+    cluster["spec"]["authOptions"]["mode"] = "disabled"
+    assert any("not 'token'" in p for p in auth_problems(cluster))
+    del cluster["spec"]["authOptions"]
+    assert any("not 'token'" in p for p in auth_problems(cluster))
+    job = _v6e_job()
+    del job["spec"]["rayClusterSpec"]["authOptions"]
+    assert any("not 'token'" in p for p in auth_problems(job))
+    job = _v6e_job()
+    _worker_container(job)["env"] = [{"name": "RAY_AUTH_MODE", "value": "disabled"}]
+    assert any("turns authentication off" in p for p in auth_problems(job))
+    job = _v6e_job()
+    _worker_container(job)["env"] = [{"name": "RAY_AUTH_TOKEN", "value": "0123abcd"}]
+    assert any("keep it in a Secret" in p for p in auth_problems(job))
+    _worker_container(job)["env"] = [
+        {"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {"name": "t", "key": "auth_token"}}}
+    ]
+    assert auth_problems(job) == []
+    job = _v6e_job()
+    job["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "tokens"  # the CRD's enum
+    _rejects(job, 'authOptions/mode: \'tokens\' is not one of')
+
+
+def test_health_check_check_catches_missing_and_default_values():
+    job = _v6e_job()
+    head = _containers(_cluster_spec(job)["headGroupSpec"]["template"])[0]
+    assert manifest_health_check_problems(job) == []
+    head["env"] = [e for e in head["env"] if e["name"] != "RAY_health_check_period_ms"]
+    assert any("RAY_health_check_period_ms is not set" in p for p in manifest_health_check_problems(job))
+    del head["env"]
+    assert len(manifest_health_check_problems(job)) == len(HEALTH_CHECK_KEYS)
+    defaults = {f"RAY_{k}": str(v) for k, v in _ray_config_defaults().items()}
+    problems = health_check_problems(defaults, "head")
+    assert any("a crashed node" in p and "not sooner" in p for p in problems), problems
+    assert any("a silent node" in p for p in problems), problems
+    tight = {f"RAY_{k}": "100" for k in HEALTH_CHECK_KEYS}
+    tight["RAY_health_check_failure_threshold"] = "1"
+    problems = health_check_problems(tight, "head")
+    assert any("tighter than the local test cluster" in p for p in problems), problems
+    assert any("must be >= 2" in p for p in problems), problems
+    assert any("not an integer" in p for p in health_check_problems({**defaults, "RAY_health_check_period_ms": "1s"}, "h"))
+
+
+def test_launcher_auth_and_health_checks_catch_omissions():
+    config = _load_yaml(CONFIGS / "gcp-launcher-tpu-v6e.yaml")
+    assert launcher_auth_problems(config) == []
+    bad = copy.deepcopy(config)
+    bad["docker"]["run_options"] = [o for o in bad["docker"]["run_options"] if "RAY_AUTH_MODE" not in o]
+    problems = launcher_auth_problems(bad)
+    assert sum("does not get RAY_AUTH_MODE=token" in p for p in problems) == 2, problems
+    bad = copy.deepcopy(config)  # a node type's own run_options replace the top-level ones
+    bad["available_node_types"]["tpu_v6e_4x4"]["docker"]["run_options"] = ["--shm-size=16g"]
+    assert launcher_auth_problems(bad) == ["tpu_v6e_4x4: its container does not get RAY_AUTH_MODE=token"]
+    bad = copy.deepcopy(config)
+    del bad["file_mounts"]["~/.ray/auth_token"]
+    assert any("does not put the token" in p for p in launcher_auth_problems(bad))
+    bad = copy.deepcopy(config)
+    bad["docker"]["run_options"].append("--env RAY_AUTH_TOKEN=0123abcd")
+    assert any("written in the config" in p for p in launcher_auth_problems(bad))
+    bad = copy.deepcopy(config)
+    del bad["docker"]["head_run_options"]
+    assert len(health_check_problems(launcher_node_env(bad, "head"), "head")) == len(HEALTH_CHECK_KEYS)
+    # The worker's options never reach the head.
+    bad["docker"]["worker_run_options"] = copy.deepcopy(config["docker"]["head_run_options"])
+    assert health_check_problems(launcher_node_env(bad, "head"), "head")
+    bad = copy.deepcopy(config)
+    del bad["docker"]
+    assert "no docker section" in launcher_auth_problems(bad)[0]
 
 
 def test_launcher_validation_rejects_bad_configs():
