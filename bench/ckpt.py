@@ -83,7 +83,7 @@ def preemption_commit(cluster, runs: int) -> dict:
 
             def on_step(step, loss, slices, trainer=trainer, seen=seen, kind=kind):
                 if kind == "drain" and step == 20 and "t" not in seen:
-                    seen["node"] = trainer.live[1].infos[0]["node_id"]
+                    seen["node"] = trainer.hosts(1)[0]["node_id"]
                     seen["t"] = time.time()
                     drain_node(seen["node"], deadline_s=30)
 

@@ -182,7 +182,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
     def on_event(e):
         ev = e["event"]
         if ev == "fault" and scenario == "stop":
-            state["stopped"].append(trainer.live[e["slice"]].infos[e.get("host", 0)]["pid"])
+            state["stopped"].append(trainer.hosts(e["slice"])[e.get("host", 0)]["pid"])
         if scenario == "remove_node" and not state["added"]:
             # The replacement node comes once the run has noticed the loss:
             # while it waits (pause) or once it trains on (resize).
@@ -200,7 +200,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
             # (and so as not to line up the controller's 0.5 s drain poll).
             state["spare"] = cluster.add_node()
         if scenario == "preempt" and step == fail_at and "drained" not in state:
-            node = trainer.live[1].infos[0]["node_id"]
+            node = trainer.hosts(1)[0]["node_id"]
             state.update(drained=node, notice_t=rec.now())
             if not drain_node(node, deadline_s=preempt_deadline_s):
                 state["refused"] = True
@@ -313,11 +313,11 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
             raise _TimeUp()
         if st["next"] is None or now < st["next"]:
             return
-        if len(trainer.live) < num_slices or trainer.coming or trainer.ready or st["add_node"]:
+        if len(trainer.members.live) < num_slices or trainer.members.coming or trainer.members.ready or st["add_node"]:
             return  # the last failure is not healed yet: fire once it is
-        s = rng.choice(sorted(trainer.live))
+        s = rng.choice(sorted(trainer.members.live))
         kind = rng.choice(list(kinds))
-        info = trainer.live[s].infos[0]
+        info = trainer.hosts(s)[0]
         t = rec.now()
         if kind == "kill":
             os.kill(info["pid"], signal.SIGKILL)

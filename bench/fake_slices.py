@@ -16,8 +16,7 @@ ActorDiedError`: a call on a tombstone actor, started once and killed, so
 the controller's classification and recovery paths run unchanged.
 
     slices = FakeSlices.configured(fail=[(step, slice_id), ...])
-    with install(slices):            # or ElasticTrainer(..., slices_backend=...)
-        report = ElasticTrainer(factory, config, steps).fit()
+    report = ElasticTrainer(factory, config, steps, slices_backend=slices).fit()
     slices.instances[0].fake_s      # seconds the fakes spent in their own calls
     slices.instances[0].fake_cpu_s  # the same in process CPU time
 
@@ -26,7 +25,6 @@ Used by `bench/scale.py` and its smoke test; never by a real run.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Callable, Optional
 
@@ -36,7 +34,7 @@ from ray import exceptions as rex
 
 from ray_elastic.slice_group import LiveSlice, Provisioning
 
-__all__ = ["FakeSlices", "FakeWorker", "install", "dead_ref"]
+__all__ = ["FakeSlices", "FakeWorker", "dead_ref"]
 
 _TOMBSTONE: dict = {}  # Ray session (GCS address) -> killed actor handle
 
@@ -265,17 +263,3 @@ class FakeSlices:
 
     def shutdown(self) -> None:
         pass
-
-
-@contextlib.contextmanager
-def install(backend: type):
-    """Make ElasticTrainer build `backend` instead of RaySlices for the
-    runs inside the block (by patching the name the controller uses)."""
-    import ray_elastic.controller as controller
-
-    saved = controller.RaySlices
-    controller.RaySlices = backend
-    try:
-        yield backend
-    finally:
-        controller.RaySlices = saved

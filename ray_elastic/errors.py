@@ -1,7 +1,7 @@
 """Every error ray_elastic raises, in one picklable hierarchy.
 
 Failures of workers are sorted once, where they enter the controller
-(`failures.classify`), into the closed set `FailureKind`. Each exception
+(`failure_location.FailureLocator.classify`), into the closed set `FailureKind`. Each exception
 carries plain data only (ints, strings), so it survives pickling between
 processes and can be caught in a notebook, a job driver, or a test.
 """
@@ -24,6 +24,7 @@ __all__ = [
     "ReplacementTimeout",
     "StorageError",
     "CheckpointStorageFailed",
+    "StateLoadFailed",
     "EventsFileError",
     "TimelineInputError",
 ]
@@ -136,3 +137,16 @@ class EventsFileError(ElasticError, ValueError):
 
 class TimelineInputError(ElasticError, ValueError):
     """`ray-elastic timeline` was given something it cannot draw."""
+
+
+class StateLoadFailed(ElasticError):
+    """Loading a state into joining slices failed; `dead` names the slices
+    that died meanwhile (none: the state's source was bad)."""
+
+    def __init__(self, dead: list, cause: str):
+        self.dead = list(dead)
+        self.cause = cause
+        super().__init__(f"loading the state into slices failed ({cause}); dead: {self.dead}")
+
+    def __reduce__(self):
+        return (type(self), (self.dead, self.cause))

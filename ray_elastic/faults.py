@@ -53,7 +53,7 @@ class Fault:
 class Fired:
     fault: Fault
     at_wall: float
-    at_monotonic: float
+    at: float  # the controller's clock when it fired
     pid: int
     node_id: str
 
@@ -62,25 +62,31 @@ class FaultInjector:
     """Fires faults against live workers; `remove_node` needs a callback
     that takes a node out of the cluster (LocalCluster.remove_node)."""
 
-    def __init__(self, faults: list[Fault], remove_node: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self,
+        faults: list[Fault],
+        remove_node: Optional[Callable[[str], None]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.pending = list(faults)
+        self._clock = clock
         self.fired: list[Fired] = []
         self._remove_node = remove_node
         if any(f.kind == "remove_node" for f in faults) and remove_node is None:
             raise ConfigError("faults", "a remove_node fault needs a cluster that can remove nodes (remove_node=...)")
 
-    def fire_due(self, step: int, live: dict) -> list[Fired]:
-        """Fire every fault due at `step` on a live slice. `live` maps slice
-        id to an object with `.infos` (pid, node_id per host)."""
+    def fire_due(self, step: int, hosts: dict) -> list[Fired]:
+        """Fire every fault due at `step` on a live slice. `hosts` maps a
+        live slice's id to its hosts' infos (pid, node_id)."""
         out = []
         for f in list(self.pending):
-            if f.step != step or f.slice_id not in live:
+            if f.step != step or f.slice_id not in hosts:
                 continue
-            infos = live[f.slice_id].infos
+            infos = hosts[f.slice_id]
             if f.host >= len(infos):
                 raise ConfigError("faults", f"fault {f}: slice has only {len(infos)} hosts")
             info = infos[f.host]
-            fired = Fired(f, time.time(), time.monotonic(), info["pid"], info["node_id"])
+            fired = Fired(f, time.time(), self._clock(), info["pid"], info["node_id"])
             if f.kind == "kill":
                 os.kill(info["pid"], signal.SIGKILL)
             elif f.kind == "stop":

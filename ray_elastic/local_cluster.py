@@ -4,7 +4,7 @@ tests and the benchmarks (`ray.cluster_utils.Cluster`).
 The head node has no CPUs, so no slice lands next to the driver; each
 simulated node has room for exactly one host of a slice. Removing a node
 kills its raylet and, as on real hardware, every worker process on it
-(Ray alone can leave them running: shared/NOTES.md).
+(Ray alone can leave them running, and even finish a call in flight).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """In-memory snapshots of the training state in Ray's object store.
 
-Where a copy lives decides what it survives (shared/NOTES.md): a worker's
+Where a copy lives decides what it survives: a worker's
 return value is owned by the driver but stored on the worker's node. So a
 snapshot counts as complete only once it has copies in two failure domains:
 the host-0 workers of two different slices, or, with one live slice, that
@@ -30,7 +30,8 @@ class _Pending:
 
 
 class SnapshotStore:
-    def __init__(self) -> None:
+    def __init__(self, fetch: Callable[[Any], Any] = ray.get) -> None:
+        self._fetch = fetch  # reads a copy into the driver (the pin)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-pin")
         self._pending: Optional[_Pending] = None
         self._complete: Optional[_Pending] = None
@@ -49,7 +50,7 @@ class SnapshotStore:
         if p.needed == 1 and p.pinned is None:
             # One slice only: pin a second copy next to the driver, off the
             # step loop's thread.
-            p.pinned = self._pool.submit(ray.get, ref)
+            p.pinned = self._pool.submit(self._fetch, ref)
         self._promote()
 
     def _promote(self) -> None:

@@ -8,7 +8,8 @@ slice its shards, gathers the shard gradients through Ray's object store,
 and has every slice apply their mean. A slice can therefore be lost, added
 or replaced without touching the JAX systems of the others, which is what
 makes recovery take a step rather than a restart (a JAX process cannot
-re-join a new distributed group: see shared/NOTES.md).
+re-join a new distributed group: `jax.distributed.initialize` cannot run
+twice in one process).
 
 This module is imported inside worker processes; it imports JAX lazily so
 the driver never has to.
@@ -38,7 +39,7 @@ def _free_port() -> int:
 
 
 class SliceWorker:
-    """Plain class; `actors.py` turns it into a Ray actor."""
+    """Plain class; `slice_group.py` turns it into a Ray actor (`ray.remote`)."""
 
     def __init__(
         self,

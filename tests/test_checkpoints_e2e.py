@@ -39,6 +39,7 @@ def _assert_equal(a, b):
 @pytest.fixture(scope="module")
 def reference(cluster, lm_factory):
     """Failure-free, checkpoint-free run of 16 steps (pause, 2 slices)."""
+    cluster.ensure_nodes(2)  # an earlier module may have left fewer
     t = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), 16, keep_final_state=True)
     t.fit()
     return t.final_state
@@ -207,7 +208,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
 
     def on_step(step, loss, slices):
         if step == 6 and "node" not in seen:
-            seen["node"] = trainer.live[1].infos[0]["node_id"]
+            seen["node"] = trainer.hosts(1)[0]["node_id"]
             seen["t"] = time.time()
             assert drain_node(seen["node"], deadline_s=15)
 

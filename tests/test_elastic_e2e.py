@@ -156,12 +156,12 @@ def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     survivors holding shards of several tree nodes, ends bitwise equal to
     a failure-free tree run; the tree's training matches the direct sum's
     up to float rounding, and not bit for bit (so the tree really ran)."""
-    import ray_elastic.controller as controller
+    import ray_elastic.step_runner as step_runner
 
     nodes(4)
     cfg = _config(policy="resize", num_slices=4)
     direct, direct_report = _run(lm_factory, cfg)
-    monkeypatch.setattr(controller, "APPLY_FAN_IN", 2)
+    monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
     tree, ref = _run(lm_factory, cfg)
     assert ref.steps_completed == STEPS and not ref.failures
     trainer, report = _run(lm_factory, cfg, faults=(Fault("kill", 1, FAIL_AT),))

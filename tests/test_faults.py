@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -14,7 +13,7 @@ from ray_elastic.faults import FAULT_KINDS, Fault, FaultInjector
 
 
 def group(*infos):
-    return SimpleNamespace(infos=list(infos))
+    return list(infos)
 
 
 def info(pid, node_id):

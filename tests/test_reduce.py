@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from ray_elastic.controller import APPLY_FAN_IN
+from ray_elastic.step_runner import APPLY_FAN_IN
 from ray_elastic.worker import reduce_pieces
 
 

@@ -1,0 +1,65 @@
+"""What the controller asks of the cluster, in its own terms: slices by id,
+never actor handles. `RayBackend` (ray_backend.py) is the real one;
+tests drive the controller over a pure-Python fake of this interface."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
+
+from ray_elastic.step_runner import StepResult
+
+__all__ = ["SliceBackend", "SliceUp"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceUp:
+    """A slice whose workers finished setting up (JAX up, step compiled)."""
+
+    slice_id: int
+    setup_s: float
+
+
+class SliceBackend(Protocol):
+    def start(self, slice_id: int) -> None:
+        """Queue the slice's workers (a replacement reuses its placement
+        group); any workers it had are torn down first."""
+
+    def poll(self, block_s: float = 0.0) -> list[SliceUp]:
+        """Slices set up since the last poll, waiting up to block_s for
+        one. Raises RunFailed when a worker cannot start at all."""
+
+    def run_step(
+        self, step: int, slices: Sequence[int], assignment: Mapping[int, tuple],
+        takers: frozenset, deadline_s: float, on_issued: Callable[[], None],
+    ) -> StepResult:
+        """One step on these slices, or a SliceFailure."""
+
+    def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
+        """Load a state (a ref) into every host of these slices. Raises
+        StateLoadFailed naming the slices that died meanwhile."""
+
+    def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
+        """The step each slice's state is at, or a SliceFailure."""
+
+    def locate(self, slices: Sequence[int], step: int, cause: BaseException) -> Any:
+        """The SliceFailure behind a failed call to several slices: the
+        first host that does not answer."""
+
+    def state(self, slice_id: int) -> Any:
+        """A ref to the slice's current state."""
+
+    def fetch(self, ref: Any, timeout_s: Optional[float] = None) -> Any: ...
+
+    def hosts(self, slice_id: int) -> list[dict]:
+        """pid, node_id and ip of each host of a set-up slice."""
+
+    def node_alive(self, node_id: str) -> bool: ...
+
+    def retire(self, slice_id: int) -> None:
+        """Tear the slice's workers down (its placement group stays)."""
+
+    def attach_checkpoints(self, coordinator: Any, slice_id: int) -> None:
+        """Give the checkpoint coordinator the state's structure."""
+
+    def shutdown(self) -> None: ...

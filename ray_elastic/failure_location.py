@@ -1,0 +1,151 @@
+"""Where a failure is, and what kind it is: the one place where Ray's
+errors become ray_elastic's failure kinds.
+
+A call's error is sorted where it enters the controller (`classify`). An
+`ActorUnavailableError` is *not* a death: the actor may be restarting its
+connection. It is confirmed first (node state in the GCS, then a ping) and
+only a confirmed loss becomes a failure. A call can also fail for a peer's
+sake (a gradient it fetched lived on a node that died), so the slice blamed
+is the one that lost a node (`blame`); a step that outlives its deadline is
+pinned on the host that does not answer a ping (`hung`).
+
+Ray sits behind `Probe` (is a node alive, does a worker answer) and time is
+passed in, so the logic is tested without a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional, Protocol
+
+import ray
+from ray import exceptions as rex
+
+from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
+
+__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "short"]
+
+TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
+
+
+class Probe(Protocol):
+    def node_alive(self, node_id: str) -> bool: ...
+
+    def ping(self, worker: Any, timeout_s: float) -> None:
+        """Raise a RayError if the worker does not answer within timeout_s."""
+
+
+def is_node_alive(node_id: str) -> bool:
+    for node in ray.nodes():
+        if node["NodeID"] == node_id:
+            return bool(node["Alive"])
+    return False
+
+
+class RayProbe:
+    def node_alive(self, node_id: str) -> bool:
+        return is_node_alive(node_id)
+
+    def ping(self, worker: Any, timeout_s: float) -> None:
+        ray.get(worker.ping.remote(), timeout=timeout_s)
+
+
+def failure(kind: FailureKind, slice_id: int, host: int, step: int, cause: str) -> SliceFailure:
+    return FAILURE_TYPES[kind](slice_id, host, step, cause)
+
+
+def short(e: BaseException) -> str:
+    """The first line of an error, for reports and logs."""
+    text = str(e).strip().splitlines()
+    return (text[0] if text else type(e).__name__)[:300]
+
+
+class FailureLocator:
+    """`live` arguments map slice id to an object with `.workers` (handles,
+    host order) and `.infos` (pid, node_id per host)."""
+
+    def __init__(
+        self,
+        probe: Probe,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+        confirm_s: float = 5.0,
+    ):
+        self.probe = probe
+        self._clock = clock
+        self._sleep = sleep
+        self._confirm_s = confirm_s
+
+    def _kind_of_death(self, exc: BaseException, node_id: str) -> FailureKind:
+        if getattr(exc, "preempted", False):
+            return FailureKind.PREEMPTED
+        if not self.probe.node_alive(node_id):
+            return FailureKind.NODE_DIED
+        return FailureKind.PROCESS_DIED
+
+    def classify(self, exc: BaseException, worker: Any, node_id: str) -> Optional[FailureKind]:
+        """Sort a worker call's error into a FailureKind, or TRANSIENT.
+
+        Errors that are not about the worker's life (a bug in the user's
+        loss function, say) are re-raised: retrying them would only fail
+        again."""
+        if isinstance(exc, rex.ActorDiedError):
+            return self._kind_of_death(exc, node_id)
+        if isinstance(exc, rex.ActorUnavailableError):
+            end = self._clock() + self._confirm_s
+            while self._clock() < end:
+                if not self.probe.node_alive(node_id):
+                    return FailureKind.NODE_DIED
+                try:
+                    self.probe.ping(worker, 0.5)
+                    return TRANSIENT
+                except rex.ActorDiedError as died:
+                    return self._kind_of_death(died, node_id)
+                except (rex.ActorUnavailableError, rex.GetTimeoutError):
+                    self._sleep(0.1)
+            return FailureKind.NODE_DIED if not self.probe.node_alive(node_id) else FailureKind.HUNG
+        if isinstance(exc, (rex.ObjectLostError, rex.OwnerDiedError)):
+            # A gradient or snapshot held on a lost node: the node is gone.
+            return FailureKind.NODE_DIED
+        raise exc
+
+    def classify_call(self, exc: BaseException, live: Mapping, s: int, h: int) -> Optional[FailureKind]:
+        sl = live[s]
+        return self.classify(exc, sl.workers[h], sl.infos[h]["node_id"])
+
+    def blame(self, s: int, kind: FailureKind, live: Mapping) -> int:
+        """The slice to blame for a failed call: one that lost a node, if
+        any (its peers' calls fail too when they fetch from it)."""
+        if kind != FailureKind.NODE_DIED:
+            return s
+        for t in [s] + sorted(live):
+            if any(not self.probe.node_alive(i["node_id"]) for i in live[t].infos):
+                return t
+        return s
+
+    def hung(self, candidates: list[tuple[int, int]], live: Mapping, step: int, deadline_s: float) -> SliceFailure:
+        """A step outlived its deadline: find the host that does not answer
+        a ping (the others of its slice are only blocked on it). Workers run
+        pings beside a step (slice_group: max_concurrency)."""
+        for s, h in sorted(set(candidates)):
+            try:
+                self.probe.ping(live[s].workers[h], 0.5)
+            except rex.GetTimeoutError:
+                return failure(FailureKind.HUNG, s, h, step, f"no answer within the step deadline ({deadline_s:.1f} s)")
+            except rex.RayError as e:
+                kind = self.classify_call(e, live, s, h)
+                if kind is not TRANSIENT:
+                    return failure(kind, s, h, step, short(e))
+        s, h = min(candidates)
+        return failure(FailureKind.HUNG, s, h, step, f"step did not finish within {deadline_s:.1f} s")
+
+    def first_dead(self, exc: BaseException, live: Mapping, step: int) -> SliceFailure:
+        """A call to several slices failed: the first host that does not
+        answer is the failure."""
+        for s in sorted(live):
+            for h in range(len(live[s].infos)):
+                try:
+                    self.probe.ping(live[s].workers[h], 2.0)
+                except rex.RayError as pe:
+                    kind = self.classify_call(pe, live, s, h) or FailureKind.HUNG
+                    return failure(kind, s, h, step, short(pe))
+        return failure(FailureKind.HUNG, min(live), 0, step, short(exc))

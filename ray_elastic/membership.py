@@ -1,0 +1,131 @@
+"""Which slices are coming (being provisioned), ready (set up, waiting for
+a step boundary to join) and live (training), and where a joining slice's
+state comes from.
+
+A joiner loads the state the live slices hold: the newest snapshot when it
+is of that step, else a live slice's own memory. With no live slice (every
+slice lost, or a pause that took all of them), the newest of the in-memory
+snapshot and the last committed checkpoint, rolling the run back to it; or
+nothing, a start from scratch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Optional
+
+from ray_elastic.backend import SliceBackend
+from ray_elastic.errors import RunFailed, StateLoadFailed
+from ray_elastic.snapshots import SnapshotStore
+
+__all__ = ["Membership", "StateSource"]
+
+log = logging.getLogger("ray_elastic")
+
+# Joins that fail in a row (joiners dying, or every copy of the state
+# unreadable) before the run stops: the cluster is losing nodes faster
+# than it recovers.
+MAX_FAILED_JOINS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSource:
+    kind: str  # "snapshot", "live", "checkpoint" or "initial"
+    step: int  # the step that state is at
+    ref: Any = None  # what joiners load (None: the initial state they have)
+
+
+class Membership:
+    def __init__(
+        self,
+        backend: SliceBackend,
+        snapshots: SnapshotStore,
+        emit: Callable[..., None],
+        checkpoints: Any = None,
+        load_timeout_s: float = 30.0,
+    ):
+        self.backend = backend
+        self.snapshots = snapshots
+        self.checkpoints = checkpoints  # CheckpointCoordinator or None
+        self._emit = emit
+        self._load_timeout_s = load_timeout_s
+        self.coming: set[int] = set()
+        self.ready: set[int] = set()
+        self.live: set[int] = set()
+        self._failed_joins = 0
+
+    def start(self, slice_id: int) -> None:
+        """Provision a slice, or a replacement for a failed one."""
+        self.live.discard(slice_id)
+        self.ready.discard(slice_id)
+        self.backend.start(slice_id)
+        self.coming.add(slice_id)
+
+    def poll(self, block_s: float = 0.0) -> None:
+        for up in self.backend.poll(block_s):
+            self.coming.discard(up.slice_id)
+            self.ready.add(up.slice_id)
+            self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s)
+
+    def lose(self, slice_id: int) -> None:
+        """A live slice failed: tear it down and queue its replacement."""
+        self.live.discard(slice_id)
+        self.backend.retire(slice_id)
+        self.start(slice_id)
+
+    def go_live(self, slices: set[int]) -> None:
+        self.ready -= slices
+        self.live |= slices
+
+    def state_source(self, step: int) -> StateSource:
+        """Where joiners load the state of `step` from, or what older state
+        the run must roll back to when no live slice holds it."""
+        latest = self.snapshots.latest_step()
+        if self.live:
+            if latest == step:
+                found = self.snapshots.restore_source(self.backend.node_alive)
+                if found is not None:
+                    return StateSource("snapshot", step, found[1])
+            return StateSource("live", step, self.backend.state(min(self.live)))
+        found = self.snapshots.restore_source(self.backend.node_alive)
+        durable = self.checkpoints.latest_committed() if self.checkpoints else None
+        if durable is not None and (found is None or durable > found[0]):
+            return StateSource("checkpoint", durable, self.checkpoints.restore_ref(durable))
+        if found is not None:
+            return StateSource("snapshot", found[0], found[1])
+        # No snapshot survives (snapshots off, none taken yet, or every
+        # copy lost with its node): start over from the initial state.
+        return StateSource("initial", 0)
+
+    def join(self, new: list[int], source: StateSource) -> bool:
+        """Load the state into ready slices and make them live. False if
+        the load failed: a joiner that died is queued again; if the joiners
+        are fine, the source was bad (a snapshot copy on a node that just
+        went) and is dropped, so the next try takes the next-newest."""
+        if source.ref is not None and new:
+            try:
+                self.backend.load(new, source.ref, self._load_timeout_s)
+            except StateLoadFailed as e:
+                if not e.dead:
+                    self.snapshots.discard_latest()
+                for s in e.dead:
+                    self.start(s)
+                log.warning("loading state into slices %s failed (%s); %s", new, e.cause,
+                            f"re-queued {e.dead}" if e.dead else "trying an older copy")
+                self._failed_joins += 1
+                if self._failed_joins >= MAX_FAILED_JOINS:
+                    raise RunFailed(
+                        f"slices {new} failed to load the training state {self._failed_joins} times in a row "
+                        f"(last: {e.cause}). The cluster may be losing nodes faster than it recovers; "
+                        "check node health, or raise max_retries once it is stable.",
+                        setting="max_retries",
+                    ) from e
+                return False
+        self._failed_joins = 0
+        self.go_live(set(new))
+        return True
+
+    def hosts(self) -> dict[int, list[dict]]:
+        """pid and node of every host of every live slice."""
+        return {s: self.backend.hosts(s) for s in sorted(self.live)}

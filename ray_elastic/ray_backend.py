@@ -1,0 +1,144 @@
+"""The controller's cluster on Ray: slices provisioned as placement groups
+of worker actors (slice_group.RaySlices, or a drop-in with the same
+methods such as the scale bench's simulated slices), steps run by the
+StepRunner, failures located by the FailureLocator."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import ray
+from ray import exceptions as rex
+
+from ray_elastic.backend import SliceUp
+from ray_elastic.errors import RunFailed, StateLoadFailed
+from ray_elastic.failure_location import FailureLocator, RayProbe, short
+from ray_elastic.slice_group import LiveSlice, Provisioning, RaySlices
+from ray_elastic.step_runner import StepResult, StepRunner
+
+__all__ = ["RayBackend"]
+
+log = logging.getLogger("ray_elastic")
+
+
+class RayBackend:
+    def __init__(
+        self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
+        compile_cache_dir: str = "", provisioner: Optional[type] = None,
+        clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+    ):
+        self._slices = (provisioner or RaySlices)(
+            spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
+        )
+        self.locator = FailureLocator(RayProbe(), clock, sleep)
+        self.runner = StepRunner(self.locator, clock)
+        self._coming: dict[int, Provisioning] = {}
+        self._up: dict[int, LiveSlice] = {}  # set up: ready to join, or live
+
+    # -- provisioning -----------------------------------------------------
+
+    def start(self, slice_id: int) -> None:
+        self.retire(slice_id)
+        self._coming[slice_id] = self._slices.start(slice_id)
+
+    def poll(self, block_s: float = 0.0) -> list[SliceUp]:
+        if block_s and self._coming:
+            refs = [r for p in self._coming.values() for r in p.setup_refs]
+            ray.wait(refs, num_returns=len(refs), timeout=block_s)
+        up = []
+        for s, p in list(self._coming.items()):
+            try:
+                live = self._slices.poll(p)
+            except rex.RayActorError as e:
+                if getattr(e, "actor_init_failed", False):
+                    # The worker's own constructor raised: a bug or a bad
+                    # environment, not a hardware failure. Retrying won't help.
+                    raise RunFailed(
+                        f"the worker for slice {s} could not start: {short(e)}. "
+                        "Check that the program factory and its modules can be "
+                        "imported and unpickled on the worker nodes.",
+                        setting="program_factory",
+                    ) from e
+                self._restart(s, e)
+                continue
+            except rex.ObjectLostError as e:
+                # The replacement itself died while starting (its node went
+                # away, say): queue it again on the same placement group.
+                self._restart(s, e)
+                continue
+            if live is not None:
+                del self._coming[s]
+                self._up[s] = live
+                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3)))
+        return up
+
+    def _restart(self, s: int, e: BaseException) -> None:
+        log.warning("replacement for slice %d failed to start: %s", s, e)
+        self.start(s)
+
+    def retire(self, slice_id: int) -> None:
+        for holder in (self._up, self._coming):
+            gone = holder.pop(slice_id, None)
+            if gone is not None:
+                self._slices.kill(gone.workers)
+
+    def hosts(self, slice_id: int) -> list[dict]:
+        return self._up[slice_id].infos
+
+    def node_alive(self, node_id: str) -> bool:
+        return self.locator.probe.node_alive(node_id)
+
+    # -- steps and state --------------------------------------------------
+
+    def _live(self, slices: Sequence[int]) -> dict[int, LiveSlice]:
+        return {s: self._up[s] for s in slices}
+
+    def run_step(
+        self, step: int, slices: Sequence[int], assignment: Mapping[int, tuple],
+        takers: frozenset, deadline_s: float, on_issued: Callable[[], None],
+    ) -> StepResult:
+        return self.runner.run(step, self._live(slices), assignment, takers, deadline_s, on_issued)
+
+    def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
+        refs = [w.load_state.remote(source) for s in slices for w in self._up[s].workers]
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except rex.RayError as e:
+            dead = [s for s in slices if not _answers(self._up[s].workers)]
+            raise StateLoadFailed(dead, short(e)) from None
+
+    def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
+        order = sorted(slices)
+        try:
+            held = ray.get([self._up[s].workers[0].held_step.remote() for s in order], timeout=30)
+        except rex.RayError as e:
+            raise self.locator.first_dead(e, self._live(order), step) from None
+        return dict(zip(order, held))
+
+    def locate(self, slices: Sequence[int], step: int, cause: BaseException):
+        """The SliceFailure behind a call to several slices that failed."""
+        return self.locator.first_dead(cause, self._live(sorted(slices)), step)
+
+    def state(self, slice_id: int) -> Any:
+        return self._up[slice_id].workers[0].state.remote()
+
+    def fetch(self, ref: Any, timeout_s: Optional[float] = None) -> Any:
+        return ray.get(ref, timeout=timeout_s)
+
+    def attach_checkpoints(self, coordinator: Any, slice_id: int) -> None:
+        coordinator.set_template(self._up[slice_id].workers[0])
+
+    def shutdown(self) -> None:
+        for s in list(self._up) + list(self._coming):
+            self.retire(s)
+        self._slices.shutdown()
+
+
+def _answers(workers: list, timeout_s: float = 2.0) -> bool:
+    try:
+        ray.get([w.ping.remote() for w in workers], timeout=timeout_s)
+        return True
+    except rex.RayError:
+        return False

@@ -1,0 +1,197 @@
+"""The controller, one step at a time, over a pure-Python fake of the
+cluster (no Ray): every policy decision path with injected failures, on a
+fake clock, in well under a second each. The same paths run on a real
+local cluster in test_elastic_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic.backend import SliceUp
+from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted, StateLoadFailed
+from ray_elastic.failure_location import failure
+from ray_elastic.step_runner import StepResult
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeBackend:
+    """Slices as step counters. A slice comes up `setup_s` after it is
+    started while `capacity` allows; `fail_at[(step, slice)]` is the kind
+    of failure that step raises on that slice."""
+
+    def __init__(self, clock: FakeClock, num_shards: int, setup_s: float = 2.0, step_s: float = 0.1):
+        self.clock = clock
+        self.num_shards = num_shards
+        self.setup_s = setup_s
+        self.step_s = step_s
+        self.capacity = True  # may replacements be placed?
+        self.fail_at: dict[tuple[int, int], FailureKind] = {}
+        self.coming: dict[int, float] = {}  # slice -> time it comes up
+        self.held: dict[int, int] = {}  # set-up slice -> the step its state is at
+        self.started: list[int] = []
+        self.steps_run: list[tuple[int, tuple]] = []
+
+    def start(self, s):
+        self.retire(s)
+        self.started.append(s)
+        self.coming[s] = self.clock.now + self.setup_s
+
+    def poll(self, block_s=0.0):
+        self.clock.now += block_s
+        up = []
+        for s, at in sorted(self.coming.items()):
+            if at <= self.clock.now and (self.capacity or len(self.started) <= self.num_shards):
+                del self.coming[s]
+                self.held[s] = 0
+                up.append(SliceUp(s, self.setup_s))
+        return up
+
+    def run_step(self, k, slices, assignment, takers, deadline_s, on_issued):
+        on_issued()
+        self.clock.now += self.step_s
+        for s in slices:
+            if (k, s) in self.fail_at:
+                raise failure(self.fail_at.pop((k, s)), s, 0, k, "injected")
+        assert sorted(sum((tuple(v) for v in assignment.values()), ())) == list(range(self.num_shards)), "every shard, every step"
+        assert all(self.held[s] == k for s in slices), "slices out of step"
+        for s in slices:
+            self.held[s] = k + 1
+        self.steps_run.append((k, tuple(slices)))
+        metrics = {(s, 0): {"loss": 1.0 / (k + 1)} for s in slices}
+        return StepResult(metrics, {s: ("state", k + 1) for s in takers})
+
+    def load(self, slices, source, timeout_s):
+        if source is None:
+            raise StateLoadFailed([], "no source")
+        for s in slices:
+            self.held[s] = source[1]
+
+    def held_steps(self, slices, step):
+        return {s: self.held[s] for s in slices}
+
+    def locate(self, slices, step, cause):
+        return failure(FailureKind.HUNG, min(slices), 0, step, str(cause))
+
+    def state(self, s):
+        return ("state", self.held[s])
+
+    def fetch(self, ref, timeout_s=None):
+        return ref
+
+    def hosts(self, s):
+        return [{"pid": 100 + s, "node_id": f"node{s}", "ip": "127.0.0.1"}]
+
+    def node_alive(self, node_id):
+        return int(node_id[4:]) in self.held
+
+    def retire(self, s):
+        self.held.pop(s, None)
+        self.coming.pop(s, None)
+
+    def attach_checkpoints(self, coordinator, s):
+        pass
+
+    def shutdown(self):
+        pass
+
+
+def run(config: ElasticConfig, steps: int = 10, **backend_args):
+    clock = FakeClock()
+    backend = FakeBackend(clock, config.num_slices, **backend_args)
+    trainer = ElasticTrainer(lambda: None, config, steps, backend=backend, clock=clock)
+    return trainer, backend
+
+
+def events(report) -> list[str]:
+    return [e["event"] for e in report.events]
+
+
+def test_failure_free_run_takes_every_step_on_every_slice():
+    trainer, backend = run(ElasticConfig(num_slices=2))
+    report = trainer.fit()
+    assert report.steps_completed == 10 and report.failures == []
+    assert backend.steps_run == [(k, (0, 1)) for k in range(10)]
+    assert report.losses == [1.0 / (k + 1) for k in range(10)]
+
+
+def test_resize_shrinks_then_grows_back():
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="resize", min_slices=1), steps=40)
+    backend.fail_at[(5, 1)] = FailureKind.NODE_DIED
+    report = trainer.fit()
+    assert report.steps_completed == 40
+    (f,) = report.failures
+    assert (f.kind, f.slice, f.step, f.slices_after, f.steps_rewound, f.restored_from) == ("node_died", 1, 5, 1, 1, "live")
+    seq = events(report)
+    assert seq.index("detected") < seq.index("shrink") < seq.index("grow")
+    # Trained on one slice while the replacement came up, then on both.
+    assert 1 in report.slices_per_step and report.slices_per_step[-1] == 2
+    assert backend.steps_run[5] == (5, (0,))  # step 5 redone on the survivor at once
+
+
+def test_pause_waits_for_the_replacement_and_never_trains_on_fewer():
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=20)
+    backend.fail_at[(3, 0)] = FailureKind.PROCESS_DIED
+    report = trainer.fit()
+    assert report.steps_completed == 20
+    assert set(report.slices_per_step) == {2}
+    seq = events(report)
+    assert seq.index("wait") < seq.index("slice_ready", seq.index("wait")) < seq.index("grow")
+    (f,) = report.failures
+    assert f.kind == "process_died" and f.recovered_s is not None and f.recovered_s >= 2.0  # the set-up time
+
+
+def test_fails_when_the_retry_budget_is_spent():
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="resize", min_slices=1, max_retries=1), steps=30)
+    backend.fail_at[(3, 1)] = FailureKind.PROCESS_DIED
+    backend.fail_at[(12, 0)] = FailureKind.HUNG
+    with pytest.raises(RetryBudgetExhausted, match="max_retries"):
+        trainer.fit()
+    assert trainer.report.outcome == "failed" and "max_retries" in trainer.report.error
+    assert [f.kind for f in trainer.report.failures] == ["process_died", "hung"]
+
+
+def test_fails_when_no_replacement_comes_within_timeout():
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=30), steps=20)
+    backend.fail_at[(4, 1)] = FailureKind.NODE_DIED
+    backend.capacity = False
+    with pytest.raises(ReplacementTimeout, match="timeout_s"):
+        trainer.fit()
+    assert trainer.report.steps_completed == 4
+    assert events(trainer.report)[-1] == "end"
+
+
+def test_losing_every_slice_restores_the_newest_snapshot():
+    # One slice: snapshots every step; losing it rewinds to the last one.
+    trainer, backend = run(ElasticConfig(num_slices=1, policy="pause", timeout_s=60), steps=12)
+    backend.fail_at[(7, 0)] = FailureKind.NODE_DIED
+    report = trainer.fit()
+    assert report.steps_completed == 12
+    (f,) = report.failures
+    assert f.restored_from == "snapshot" and f.steps_rewound == 1
+    assert any(e["event"] == "restore" and e["step"] == 7 for e in report.events)
+
+
+def test_run_state_is_typed():
+    from ray_elastic.controller import Running, Waiting
+
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=6)
+    seen = []
+    backend.fail_at[(2, 1)] = FailureKind.NODE_DIED
+    orig = backend.poll
+
+    def poll(block_s=0.0):
+        seen.append(trainer._state)
+        return orig(block_s)
+
+    backend.poll = poll
+    trainer.fit()
+    assert any(isinstance(s, Waiting) for s in seen)
+    assert isinstance(trainer._state, Running) and not trainer._state.fresh
