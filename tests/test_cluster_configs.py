@@ -868,6 +868,14 @@ def test_deploy_doc_names_the_trainer_and_the_manifests():
         assert path.name in doc, f"docs/deploy-gke-kuberay.md does not mention {path.name}"
 
 
+def test_docs_say_how_clients_pass_the_token():
+    for doc in (ROOT / "docs" / "deploy-gke-kuberay.md", CONFIGS / "README.md", ROOT / "README.md"):
+        text = doc.read_text()
+        for needle in ("RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN", "~/.ray/auth_token", "authOptions",
+                       "JobSubmissionClient", "Authorization", "RAY_health_check"):
+            assert needle in text, f"{doc.relative_to(ROOT)} does not mention {needle}"
+
+
 # ---------------------------------------------------------------------------
 # 3. Negative tests: the validators do reject bad input
 # ---------------------------------------------------------------------------
