@@ -25,6 +25,7 @@ __all__ = [
     "StorageError",
     "CheckpointStorageFailed",
     "StateLoadFailed",
+    "CheckpointDamaged",
     "EventsFileError",
     "TimelineInputError",
 ]
@@ -129,6 +130,22 @@ class StorageError(ElasticError):
 
     def __reduce__(self):
         return (type(self), (self.args[0],))
+
+
+class CheckpointDamaged(StorageError):
+    """A committed checkpoint step does not hold what was written: a file is
+    missing, shorter, or its bytes or an array's differ from the checksums
+    recorded at save time. Names the step, the file (relative to the step
+    folder) and why."""
+
+    def __init__(self, step: int, file: str, reason: str):
+        self.step = step
+        self.file = file
+        self.reason = reason
+        super().__init__(f"checkpoint step {step} is damaged: {file}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.file, self.reason))
 
 
 class EventsFileError(ElasticError, ValueError):

@@ -7,6 +7,11 @@ writer that dies mid-write is replaced and its half-written step swept
 aside; a storage error is retried with backoff inside the writer; after
 `max_failed_saves` failed saves in a row the newest state is rescued to
 local disk and the run stops with an error naming both places.
+
+A damaged step (integrity.py) is never restored: the cold-start check, the
+in-run listing and the restore itself move it aside as `<step>.damaged`,
+emit `checkpoint_damaged` (step, file, reason) and use the next-newest
+committed step; `restored_step` is the step a restore really delivered.
 """
 
 from __future__ import annotations
@@ -45,22 +50,34 @@ class CheckpointCoordinator:
         self.failed_in_a_row = 0
         self.last_saved: Optional[int] = None
         self.saves: list[dict] = []
+        self.restored_step: Optional[int] = None  # what the last restore_ref delivered
+        self.damaged: list[dict] = []  # steps found damaged and moved aside, this run
+        self._intact: set[int] = set()  # steps whose files were checked in this run
 
     # -- before anything is reserved ------------------------------------------
 
     def preflight(self) -> Optional[int]:
         """Check the storage, sweep incomplete steps, and return the step a
-        cold start resumes from (None: fresh run). Raises before any
-        cluster resource is taken."""
+        cold start resumes from (None: fresh run): the newest committed step
+        whose every byte matches its checksums, damaged newer ones moved
+        aside. (Read in full here, at the cost of a second read, because
+        the controller takes this step as the one restored; a controller
+        that reads `restored_step` after restore_ref could make this
+        `full=False`.) Raises before any cluster resource is taken."""
         try:
             self.store.preflight()
             self.store.sweep()
-            latest = self.store.latest_committed()
+            latest, damaged = self.store.newest_intact(full=True)
         except StorageError as e:
             raise ConfigError("checkpoint.path", str(e)) from None
+        self._report_damage(damaged, resumes_from=latest)
         if latest is None:
             return None
-        meta = self.store.read_meta(latest)
+        self._intact.add(latest)
+        try:
+            meta = self.store.read_meta(latest)
+        except Exception as e:
+            raise ConfigError("checkpoint.path", f"step {latest} under {self.config.path}: run facts unreadable: {e}") from None
         for key, value in self.facts.items():
             if key in meta and meta[key] != value:
                 raise ConfigError(
@@ -110,21 +127,56 @@ class CheckpointCoordinator:
     # -- restore ----------------------------------------------------------------
 
     def restore_ref(self, step: Optional[int] = None):
-        """An object ref that resolves to the state of a committed step."""
+        """An object ref that resolves to the state of committed `step`
+        (default: the newest) or, if that step is damaged, of the newest
+        intact one before it. Waits for the restore (the caller waits for
+        it anyway) so that `self.restored_step` says which step the ref
+        holds; damaged steps are reported as `checkpoint_damaged` events.
+        Raises StorageError if no intact committed step is left."""
         writer = self._writer_handle()
         try:
             ray.get(writer.pid.remote(), timeout=30)
         except rex.RayError:
             self._writer = None  # it died: restore through a new one
             writer = self._writer_handle()
-        return writer.restore.remote(step, self._template_ref)
+        info_ref, state_ref = writer.restore.options(num_returns=2).remote(step, self._template_ref)
+        try:
+            info = ray.get(info_ref, timeout=self.config.save_timeout_s)
+        except rex.GetTimeoutError:
+            raise StorageError(f"restoring step {step} from {self.config.path}: no answer within "
+                               f"checkpoint.save_timeout_s={self.config.save_timeout_s:g}") from None
+        except rex.RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, StorageError) else StorageError(str(e).splitlines()[0])) from None
+        self._report_damage(info["damaged"], resumes_from=info["step"])
+        self.restored_step = info["step"]
+        self._intact.add(info["step"])
+        if step is not None and info["step"] != step:
+            log.error("checkpoint: asked to restore step %d, restored step %d (newer ones damaged)", step, info["step"])
+        return state_ref
 
     def latest_committed(self) -> Optional[int]:
+        """The newest committed step not found damaged. A step not checked
+        yet in this run gets the quick check (sizes, metadata digests);
+        damaged steps are moved aside and reported on the way."""
         try:
-            return self.store.latest_committed()
+            step, damaged = self.store.newest_intact(full=False, known_good=frozenset(self._intact))
         except Exception as e:  # storage down: no checkpoint to offer
             log.warning("checkpoint: cannot list %s: %s", self.config.path, e)
             return None
+        self._report_damage(damaged, resumes_from=step)
+        if step is not None:
+            self._intact.add(step)
+        return step
+
+    def _report_damage(self, damaged: list[dict], resumes_from: Optional[int]) -> None:
+        for d in damaged:
+            self.damaged.append(d)
+            self._emit("checkpoint_damaged", step=d["step"], file=d["file"], reason=d["reason"],
+                       moved_to=d["moved_to"], instead=resumes_from)
+            log.error("checkpoint step %d under %s is damaged: %s: %s. Moved aside as %s; %s.",
+                      d["step"], self.config.path, d["file"], d["reason"], d["moved_to"],
+                      f"using step {resumes_from} instead" if resumes_from is not None else "no intact step left")
 
     # -- saving -----------------------------------------------------------------
 

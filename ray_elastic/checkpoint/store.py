@@ -8,18 +8,24 @@ Orbax marks finalized (an atomic rename locally, `commit_success.txt` on
 GCS) are ever restored; anything else is an incomplete step, swept aside
 before a restore or a save so it can never block one. A failed save drops
 its manager, so no failed save is ever cached.
+
+Every step also records checksums of its arrays and files (integrity.py);
+a restore checks them, and a step found damaged is moved aside as
+`<step>.damaged` and the next-newest committed step is used instead.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import threading
 import time
 from typing import Any, Callable, Optional
 
-from ray_elastic.errors import StorageError
+from ray_elastic.checkpoint import integrity
+from ray_elastic.errors import CheckpointDamaged, StorageError
 
 __all__ = ["CheckpointStore", "StepInfo", "STORAGE_ENV", "refresh_listings", "unflatten"]
 
@@ -53,6 +59,7 @@ class StepInfo:
     bytes: int
     mtime: float
     name: str
+    damaged: bool = False  # moved aside as `<step>.damaged`: never restored
 
 
 def _bounded(fn: Callable[[], Any], timeout_s: float, what: str) -> Any:
@@ -143,9 +150,10 @@ class CheckpointStore:
             number = name.split(".")[0]
             if not number.isdigit() or not child.is_dir():
                 continue
-            committed = (not ostep.is_tmp_checkpoint(child)) and ostep.is_checkpoint_finalized(child)
+            damaged = integrity.is_damaged_name(name)
+            committed = not damaged and (not ostep.is_tmp_checkpoint(child)) and ostep.is_checkpoint_finalized(child)
             size, mtime = _tree_size(child) if sizes else (0, 0.0)
-            out.append(StepInfo(int(number), committed, size, mtime, name))
+            out.append(StepInfo(int(number), committed, size, mtime, name, damaged))
         return sorted(out, key=lambda s: (s.step, s.name))
 
     def committed_steps(self) -> list[int]:
@@ -160,7 +168,7 @@ class CheckpointStore:
         mid-write), so they can't block a restore or a later save."""
         removed = []
         for info in self.steps():
-            if not info.committed:
+            if not info.committed and not info.damaged:  # damaged ones stay, as evidence
                 (self.dir / info.name).rmtree(missing_ok=True)
                 removed.append(info.name)
         if removed:
@@ -202,6 +210,7 @@ class CheckpointStore:
         ocp = _ocp()
 
         t0 = time.perf_counter()
+        checksums = {"version": 1, "arrays": integrity.array_checksums(state)}
         wait = self.backoff_s
         for attempt in range(self.retries + 1):
             try:
@@ -213,9 +222,13 @@ class CheckpointStore:
                     self._mgr = self._new_manager()
                 elif step in self._mgr.all_steps():
                     break  # written before a rewind; training is deterministic
-                saved = self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+                saved = self._mgr.save(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta),
+                    **{integrity.ITEM: ocp.args.JsonSave(checksums)}))
                 self._mgr.wait_until_finished()
-                if not saved:
+                if saved:
+                    self._write_manifest(step)
+                else:
                     # Orbax declines steps at or below its newest one; a
                     # newer committed step exists, so nothing is lost.
                     log.warning("checkpoint: step %d not written, step %s is newer", step, self._mgr.latest_step())
@@ -233,20 +246,104 @@ class CheckpointStore:
         size, _ = _tree_size(self.dir / str(step))
         return {"step": step, "seconds": seconds, "bytes": size}
 
-    def restore(self, step: Optional[int] = None, template: Any = None) -> tuple[Any, dict]:
-        """(state, meta) of a committed step (default: the newest)."""
-        ocp = _ocp()
+    def _write_manifest(self, step: int) -> None:
+        """Record the committed step's files. A failure leaves the step
+        committed but unverified (its arrays are still checked), so it is
+        not a failed save."""
+        try:
+            integrity.write_manifest(self.path, str(step))
+        except Exception as e:
+            log.warning("checkpoint: step %d committed, but its %s could not be written (%s)", step, integrity.MANIFEST, e)
 
+    def restore(self, step: Optional[int] = None, template: Any = None) -> tuple[Any, dict]:
+        """(state, meta) of a committed step (default: the newest), checked
+        against its checksums. Raises CheckpointDamaged (step, file, why)
+        if it is damaged; `restore_intact` falls back instead."""
         self.sweep()
         step = self.latest_committed() if step is None else step
         if step is None:
             raise StorageError(f"no committed checkpoint under {self.path}")
+        return self._restore_checked(step, template)
+
+    def _restore_checked(self, step: int, template: Any) -> tuple[Any, dict]:
+        ocp = _ocp()
+
         self._drop_manager()  # a restore reads what is on storage now
+        # Cheap first (sizes, metadata digests): most damage is named
+        # before Orbax reads anything.
+        verified = integrity.check_files(self.path, str(step), step, full=False)
+        recorded = integrity.recorded_arrays(self.dir, step)
         mgr = self._new_manager()
         state_arg = ocp.args.StandardRestore(template) if template is not None else ocp.args.StandardRestore()
-        restored = mgr.restore(step, args=ocp.args.Composite(state=state_arg, meta=ocp.args.JsonRestore()))
-        mgr.close()
+        try:
+            restored = mgr.restore(step, args=ocp.args.Composite(state=state_arg, meta=ocp.args.JsonRestore()))
+        except Exception as e:
+            integrity.diagnose(self.path, step, e, verified)  # raises damage or outage where proven
+            raise
+        finally:
+            mgr.close()
+        if recorded:
+            try:
+                integrity.check_arrays(step, restored.state, recorded)
+            except CheckpointDamaged:
+                if verified:  # name the file whose bytes changed, if one did
+                    integrity.check_files(self.path, str(step), step, full=True)
+                raise
         return restored.state, dict(restored.meta)
+
+    # -- damaged steps ----------------------------------------------------------
+
+    def mark_damaged(self, damage: CheckpointDamaged) -> dict:
+        """Move a damaged step aside so nothing restores it again; returns
+        what happened, as plain data (for events)."""
+        moved = integrity.mark_damaged(self.path, damage, [s.name for s in self.steps()])
+        self._drop_manager()  # its list of steps is stale now
+        self._fresh_listing()
+        log.warning("checkpoint step %d under %s is damaged (%s: %s); moved aside as %s",
+                    damage.step, self.path, damage.file, damage.reason, moved)
+        return integrity.as_record(damage, moved)
+
+    def verify(self, step: int) -> str:
+        """Read every byte of a committed step and check it: files against
+        their manifest, then the arrays Orbax restores (no template needed)
+        against theirs. Raises CheckpointDamaged; returns what was checked."""
+        files = integrity.check_files(self.path, str(step), step, full=True)
+        arrays = integrity.recorded_arrays(self.dir, step) is not None
+        self._restore_checked(step, None)
+        return {(True, True): "files and arrays", (True, False): "files", (False, True): "arrays"}.get(
+            (files, arrays), "readable (no checksums recorded)")
+
+    def newest_intact(self, full: bool, known_good: frozenset = frozenset()) -> tuple[Optional[int], list[dict]]:
+        """The newest committed step whose files check out, moving damaged
+        ones aside on the way: (step or None, what was moved). `full` reads
+        every byte; otherwise sizes and metadata only."""
+        moved = []
+        for step in reversed(self.committed_steps()):
+            if step in known_good:
+                return step, moved
+            try:
+                integrity.check_files(self.path, str(step), step, full=full)
+                return step, moved
+            except CheckpointDamaged as d:
+                moved.append(self.mark_damaged(d))
+        return None, moved
+
+    def restore_intact(self, step: Optional[int] = None, template: Any = None) -> tuple[Any, dict, int, list[dict]]:
+        """Restore `step` (default: the newest), or if it is damaged the
+        newest intact committed step before it, moving damaged ones aside:
+        (state, meta, step restored, what was moved)."""
+        self.sweep()
+        moved = []
+        for s in reversed(self.committed_steps()):
+            if step is not None and s > step:
+                continue
+            try:
+                state, meta = self._restore_checked(s, template)
+                return state, meta, s, moved
+            except CheckpointDamaged as d:
+                moved.append(self.mark_damaged(d))
+        damaged = "; ".join(integrity.describe(m) for m in moved)
+        raise StorageError(f"no intact committed checkpoint under {self.path}" + (f" (damaged: {damaged})" if moved else ""))
 
     def read_meta(self, step: int) -> dict:
         """The run facts saved with a step (seed, slices, step), without
@@ -255,8 +352,6 @@ class CheckpointStore:
 
 
 def _read_meta(store: "CheckpointStore", step: int) -> dict:
-    import json
-
     return json.loads((store.dir / str(step) / "meta" / "metadata").read_text())
 
 

@@ -66,13 +66,17 @@ class CheckpointWriter:
             state = {"params": snapshot["params"], "opt_state": snapshot["opt_state"]}
         return self.store.save(step, state, {**meta, "step": step})
 
-    def restore(self, step: Optional[int], template: Any) -> dict:
+    def restore(self, step: Optional[int], template: Any) -> tuple[dict, dict]:
+        """Two results (call with num_returns=2): what happened, small, for
+        the driver; and the state, for the workers only. A damaged `step`
+        is moved aside and the newest intact one before it restored."""
         import jax
         import numpy as np
 
         target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), template)
-        state, meta = self.store.restore(step, target)
-        return {"step": int(meta["step"]), "params": state["params"], "opt_state": state["opt_state"], "meta": meta}
+        state, meta, restored, damaged = self.store.restore_intact(step, target)
+        info = {"step": restored, "requested": step, "damaged": damaged}
+        return info, {"step": restored, "params": state["params"], "opt_state": state["opt_state"], "meta": meta}
 
     def read_meta(self, step: int) -> dict:
         return self.store.read_meta(step)
