@@ -1021,7 +1021,7 @@ def test_auth_check_catches_auth_off():
     assert auth_problems(job) == []
     job = _v6e_job()
     job["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "tokens"  # the CRD's enum
-    _rejects(job, 'authOptions/mode: \'tokens\' is not one of')
+    _rejects(job, "authOptions/mode: 'tokens' is not one of")
 
 
 def test_health_check_check_catches_missing_and_default_values():
