@@ -140,7 +140,7 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
     refs), and as it did before (n apply calls of n refs each)."""
     import ray
 
-    from ray_elastic.controller import APPLY_FAN_IN
+    from ray_elastic.step_runner import APPLY_FAN_IN
 
     @ray.remote(num_cpus=0)
     class Sink:

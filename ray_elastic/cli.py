@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 
 __all__ = ["main"]
@@ -95,20 +96,21 @@ def _demo(args: argparse.Namespace) -> int:
 
     print(f"starting a local Ray cluster: head + {args.slices * args.hosts_per_slice} nodes", flush=True)
     t0 = time.monotonic()
-    cluster = LocalCluster(num_nodes=args.slices * args.hosts_per_slice)
-    logs = cluster.logs_dir
-    try:
-        with _RayOutputToFile(os.path.join(logs, "ray-elastic-demo.out")) as console:
-            try:
-                print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", file=console.out)
-                print(f"Ray's own logs and messages go to {logs}", file=console.out)
-                rc = _run_demo(args, cluster, config, checkpoint, faults, factory, console)
-                print(f"  Ray's logs: {logs}", file=console.out)
-                return rc
-            finally:
-                cluster.shutdown()  # Ray prints as it stops: still into the file
-    finally:
-        cluster.shutdown()
+    # What Ray prints in this process (from the cluster's start on) goes
+    # to this file; each Ray process logs to the session's own folder.
+    own = os.path.join(tempfile.gettempdir(), "ray_elastic", f"demo-{os.getpid()}.out")
+    os.makedirs(os.path.dirname(own), exist_ok=True)
+    with _RayOutputToFile(own) as console:
+        cluster = LocalCluster(num_nodes=args.slices * args.hosts_per_slice)
+        try:
+            logs = cluster.logs_dir
+            print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", file=console.out)
+            print(f"Ray's own logs: {logs} (what Ray printed here: {own})", file=console.out)
+            rc = _run_demo(args, cluster, config, checkpoint, faults, factory, console)
+            print(f"  Ray's logs: {logs} (what Ray printed here: {own})", file=console.out)
+            return rc
+        finally:
+            cluster.shutdown()  # Ray prints as it stops: still into the file
 
 
 def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int:
