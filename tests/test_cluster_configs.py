@@ -20,7 +20,10 @@ running Ray:
    everywhere (= the pin in pyproject.toml), the head hosts no workers;
    production settings: token authentication on for every node (KubeRay
    `authOptions.mode: token`; the launchers' RAY_AUTH_MODE=token and token
-   file), and the head's node health checks tuned for training.
+   file), the head's node health checks tuned for training, GCS fault
+   tolerance (`gcsFaultToleranceOptions`: an external Redis, its password
+   from a Secret), and RayJob retries (`backoffLimit` >= 1) that resume from
+   a `gs://` checkpoint.
 3. Negative tests: mutated manifests are rejected, so a green run means the
    validators ran, not that they accept anything.
 """
@@ -344,6 +347,8 @@ def trainer_args(entrypoint: str) -> argparse.Namespace:
     parser.add_argument("--tpu-version")
     parser.add_argument("--gpus-per-host", type=int, default=1)
     parser.add_argument("--hosts-per-slice", type=int, default=1)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--save-every", type=int)
     args, _ = parser.parse_known_args(argv[scripts[0] + 1 :])
     return args
 
@@ -850,6 +855,97 @@ def test_health_check_variables_reach_ray():
 
 
 # ---------------------------------------------------------------------------
+# A lost driver: GCS fault tolerance, RayJob retries from durable checkpoints
+# ---------------------------------------------------------------------------
+
+# What KubeRay sets on the head from gcsFaultToleranceOptions, and rejects
+# when a manifest sets it too (utils/validation.go, ValidateRayClusterSpec).
+GCS_FT_OWNED_ENV = ("RAY_REDIS_ADDRESS", "REDIS_PASSWORD", "REDIS_USERNAME", "RAY_external_storage_namespace")
+GCS_FT_OWNED_PARAMS = ("redis-password", "redis-username")
+GCS_FT_OWNED_ANNOTATIONS = ("ray.io/ft-enabled", "ray.io/external-storage-namespace")
+
+
+def gcs_ft_problems(manifest: dict) -> list[str]:
+    """GCS fault tolerance of a RayCluster / RayJob manifest: on, through
+    `gcsFaultToleranceOptions` with an external Redis (so the worker pods
+    survive a head restart), its password from a Secret, and none of what
+    KubeRay then sets itself (and refuses to find set) set by hand."""
+    spec = _cluster_spec(manifest)
+    ft = spec.get("gcsFaultToleranceOptions")
+    if not isinstance(ft, dict):
+        return ["no gcsFaultToleranceOptions: a head restart takes the Ray of every worker pod down with it"]
+    problems = []
+    if ft.get("backend", "redis") != "redis":
+        problems.append(
+            f"gcsFaultToleranceOptions.backend {ft['backend']!r}: these configs use an external Redis "
+            "(rocksdb needs KubeRay's GCSFaultToleranceEmbeddedStorage feature gate and a volume)"
+        )
+    address = ft.get("redisAddress")
+    if not (isinstance(address, str) and re.fullmatch(r"(rediss?://)?[^\s:/,]+:\d+", address)):
+        problems.append(f"gcsFaultToleranceOptions.redisAddress {address!r} is not host:port")
+    for key in ("redisPassword", "redisUsername"):
+        credential = ft.get(key)
+        if credential is None:
+            continue
+        if "value" in credential or "secretKeyRef" not in (credential.get("valueFrom") or {}):
+            problems.append(f"gcsFaultToleranceOptions.{key}: keep it in a Secret (valueFrom.secretKeyRef)")
+    head = spec["headGroupSpec"]
+    env = _container_env(_containers(head["template"])[0])
+    for name in GCS_FT_OWNED_ENV:
+        if name in env:
+            problems.append(f"head container sets {name}: KubeRay sets it from gcsFaultToleranceOptions")
+    for name in GCS_FT_OWNED_PARAMS:
+        if name in (head.get("rayStartParams") or {}):
+            problems.append(f"head rayStartParams sets {name}: KubeRay sets it from gcsFaultToleranceOptions")
+    annotations = (manifest.get("metadata") or {}).get("annotations") or {}
+    for name in GCS_FT_OWNED_ANNOTATIONS:
+        if name in annotations:
+            problems.append(f"annotation {name}: KubeRay refuses it next to gcsFaultToleranceOptions")
+    return problems
+
+
+def retry_problems(job: dict) -> list[str]:
+    """A RayJob resubmits a lost driver (backoffLimit >= 1; each retry is a
+    new RayCluster), and the new driver resumes: the entrypoint checkpoints
+    to durable storage, which outlives the cluster."""
+    spec = job["spec"]
+    args = trainer_args(spec.get("entrypoint", ""))
+    problems = []
+    if not isinstance(spec.get("backoffLimit"), int) or spec["backoffLimit"] < 1:
+        problems.append(
+            f"backoffLimit {spec.get('backoffLimit')!r}: retries must be on, so a lost driver is resubmitted"
+        )
+    if not (args.checkpoint or "").startswith("gs://"):
+        problems.append(f"--checkpoint {args.checkpoint!r}: a retry, on a new RayCluster, resumes only from gs://")
+    if args.save_every is not None and args.save_every < 1:
+        problems.append(f"--save-every {args.save_every} must be positive")
+    return problems
+
+
+@pytest.mark.parametrize("path", MANIFESTS, ids=_ids(MANIFESTS))
+def test_manifest_has_gcs_fault_tolerance(path):
+    assert gcs_ft_problems(_load_yaml(path)) == []
+
+
+@pytest.mark.parametrize("path", _files("rayjob-*.yaml"), ids=_ids(_files("rayjob-*.yaml")))
+def test_rayjob_retries_from_durable_checkpoints(path):
+    assert retry_problems(_load_yaml(path)) == []
+
+
+def test_gcs_ft_comment_says_to_provide_the_redis():
+    """The user must bring the Redis: every manifest says so next to the
+    setting, with the Secret to create and what the setting is for."""
+    for path in MANIFESTS:
+        text = path.read_text()
+        block = text[: text.index("gcsFaultToleranceOptions:")].rsplit("\n\n", 1)[-1]
+        comment = block[block.rfind("# GCS fault tolerance") :]
+        for needle in ("YOU MUST PROVIDE THE REDIS", "kubectl create secret", "survive", "--checkpoint"):
+            assert needle in comment, f"{path.name}: the gcsFaultToleranceOptions comment does not say {needle!r}"
+        assert "redisAddress:" in text and "# EDIT" in text.split("redisAddress:", 1)[1].splitlines()[0], path.name
+
+
+
+# ---------------------------------------------------------------------------
 # Docs
 # ---------------------------------------------------------------------------
 
@@ -874,6 +970,16 @@ def test_docs_say_how_clients_pass_the_token():
         for needle in ("RAY_AUTH_MODE=token", "RAY_AUTH_TOKEN", "~/.ray/auth_token", "authOptions",
                        "JobSubmissionClient", "Authorization", "RAY_health_check"):
             assert needle in text, f"{doc.relative_to(ROOT)} does not mention {needle}"
+
+
+def test_docs_say_what_losing_the_head_means():
+    doc = (ROOT / "docs" / "deploy-gke-kuberay.md").read_text()
+    for needle in ("Losing the head node", "gcsFaultToleranceOptions", "redisAddress", "backoffLimit",
+                   "resumed_from", "--checkpoint", "test_lost_driver_e2e.py"):
+        assert needle in doc, f"docs/deploy-gke-kuberay.md does not mention {needle}"
+    readme = (CONFIGS / "README.md").read_text()
+    for needle in ("gcsFaultToleranceOptions", "Redis", "backoffLimit"):
+        assert needle in readme, f"cluster-configs/README.md does not mention {needle}"
 
 
 # ---------------------------------------------------------------------------
@@ -1089,3 +1195,57 @@ def test_launcher_validation_rejects_bad_configs():
     tpu = _load_yaml(CONFIGS / "gcp-launcher-tpu-v6e.yaml")
     tpu["available_node_types"]["tpu_v6e_4x4"]["resources"]["TPU"] = 8
     assert any("resources TPU 8 != 4" in p for p in launcher_problems(tpu))
+
+
+def test_gcs_ft_check_catches_omissions():
+    cluster = _load_yaml(CONFIGS / "raycluster-tpu-v6e.yaml")
+    assert gcs_ft_problems(cluster) == []
+    bad = copy.deepcopy(cluster)
+    del bad["spec"]["gcsFaultToleranceOptions"]
+    assert any("no gcsFaultToleranceOptions" in p for p in gcs_ft_problems(bad))
+    job = _v6e_job()
+    del job["spec"]["rayClusterSpec"]["gcsFaultToleranceOptions"]
+    assert any("no gcsFaultToleranceOptions" in p for p in gcs_ft_problems(job))
+    bad = copy.deepcopy(cluster)
+    bad["spec"]["gcsFaultToleranceOptions"]["redisPassword"] = {"value": "hunter2"}
+    assert any("keep it in a Secret" in p for p in gcs_ft_problems(bad))
+    bad = copy.deepcopy(cluster)
+    bad["spec"]["gcsFaultToleranceOptions"]["redisAddress"] = ""
+    assert any("is not host:port" in p for p in gcs_ft_problems(bad))
+    bad = copy.deepcopy(cluster)
+    bad["spec"]["gcsFaultToleranceOptions"]["backend"] = "rocksdb"
+    assert any("backend 'rocksdb'" in p for p in gcs_ft_problems(bad))
+    bad = copy.deepcopy(cluster)
+    _containers(bad["spec"]["headGroupSpec"]["template"])[0]["env"].append({"name": "RAY_REDIS_ADDRESS", "value": "r:6379"})
+    bad["spec"]["headGroupSpec"]["rayStartParams"]["redis-password"] = "$REDIS_PASSWORD"
+    bad["metadata"]["annotations"] = {"ray.io/ft-enabled": "true"}
+    problems = gcs_ft_problems(bad)
+    assert len(problems) == 3 and all("KubeRay" in p for p in problems), problems
+    # The schema holds the field names and the backend's values.
+    bad = copy.deepcopy(cluster)
+    ft = bad["spec"]["gcsFaultToleranceOptions"]
+    ft["redisAdress"] = ft.pop("redisAddress")
+    _rejects(bad, "'redisAdress' was unexpected")
+    bad = copy.deepcopy(cluster)
+    bad["spec"]["gcsFaultToleranceOptions"]["backend"] = "etcd"
+    _rejects(bad, "backend: 'etcd' is not one of")
+    bad = copy.deepcopy(cluster)
+    bad["spec"]["gcsFaultToleranceOption"] = bad["spec"].pop("gcsFaultToleranceOptions")
+    _rejects(bad, "'gcsFaultToleranceOption' was unexpected")
+
+
+def test_retry_check_catches_no_retries_and_local_checkpoints():
+    job = _v6e_job()
+    assert retry_problems(job) == []
+    job["spec"]["backoffLimit"] = 0
+    assert any("retries must be on" in p for p in retry_problems(job))
+    del job["spec"]["backoffLimit"]  # KubeRay's default is 0
+    assert any("retries must be on" in p for p in retry_problems(job))
+    job = _v6e_job()
+    job["spec"]["entrypoint"] = re.sub(r"--checkpoint \S+", "--checkpoint /tmp/ckpt", job["spec"]["entrypoint"])
+    assert any("resumes only from gs://" in p for p in retry_problems(job))
+    job["spec"]["entrypoint"] = re.sub(r" --checkpoint \S+", "", job["spec"]["entrypoint"])
+    assert any("--checkpoint None" in p for p in retry_problems(job))
+    job = _v6e_job()
+    job["spec"]["entrypoint"] = job["spec"]["entrypoint"].replace("--save-every 100", "--save-every 0")
+    assert any("--save-every 0" in p for p in retry_problems(job))
