@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -8,7 +8,9 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - compare: ray_elastic (pause, resize) side by side with Ray Train v2
   (FailureConfig, elastic ScalingConfig) and a full restart, per fault
   scenario, plus chaos, step-time overheads and the goals;
-- scale: the real controller against 16..1024 simulated slices.
+- scale: the real controller against 16..1024 simulated slices;
+- detect: node removal and a frozen node on Ray's default health checks
+  and on the tuned ones, side by side.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def _csv(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale"))
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
-    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3)")
+    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
     parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size")
@@ -61,6 +63,18 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "core.json"), "w") as f:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.out, "core.md"), "w") as f:
+            f.write(text + "\n")
+        return 0
+
+    if args.suite == "detect":
+        from bench import detect
+
+        result = detect.run(runs=args.runs or (1 if args.quick else 3))
+        text = detect.table(result)
+        print(text)
+        with open(os.path.join(args.out, "detect.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "detect.md"), "w") as f:
             f.write(text + "\n")
         return 0
 

@@ -86,7 +86,8 @@ class ElasticTrainer:
     program_factory: a picklable zero-argument callable returning the
         TrainProgram; it runs inside each worker.
     faults: injected failures (tests, demo, benchmarks).
-    remove_node: callback that removes a node, for `remove_node` faults.
+    remove_node, freeze_node: callbacks that remove or freeze a node, for
+        those faults (LocalCluster.remove_node / freeze_node).
     on_step: called in the driver after every completed step with
         (step, loss, live slice count).
     on_event: called in the driver's main thread with each timeline event
@@ -118,6 +119,7 @@ class ElasticTrainer:
         clock: Callable[[], float] = time.monotonic,
         slices_backend: Optional[type] = None,
         backend: Optional[SliceBackend] = None,
+        freeze_node: Optional[Callable[[str], None]] = None,
     ):
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError("steps", f"must be a positive integer, got {steps!r}")
@@ -128,7 +130,7 @@ class ElasticTrainer:
         self.steps = steps
         self._factory = program_factory
         self._clock = clock
-        self._injector = FaultInjector(list(faults), remove_node, clock=clock)
+        self._injector = FaultInjector(list(faults), remove_node, clock=clock, freeze_node=freeze_node)
         self.report = RunReport(policy=config.policy, num_slices=config.num_slices, steps_requested=steps)
         # The recorder goes first, so every other callback's on_end sees a
         # complete report.
@@ -442,7 +444,9 @@ class ElasticTrainer:
     def _cold_start(self, step: int) -> None:
         """Resume a new run from the newest committed checkpoint."""
         m = self.members
-        m.backend.load(sorted(m.live), self._ckpt.restore_ref(step), max(60.0, self.config.first_step_deadline_s))
+        ref = self._ckpt.restore_ref(step)
+        step = self._ckpt.restored_step  # older, if that step proved damaged
+        m.backend.load(sorted(m.live), ref, max(60.0, self.config.first_step_deadline_s))
         self.step = step
         self._step_durations = [0.0] * step  # steps done by an earlier run
         self._event("restore", source="checkpoint", step=step, cold_start=True)

@@ -15,6 +15,7 @@ passed in, so the logic is tested without a cluster.
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 import ray
@@ -28,7 +29,17 @@ TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
 
 
 class Probe(Protocol):
-    def node_alive(self, node_id: str) -> bool: ...
+    def node_alive(self, node_id: str) -> bool:
+        """Ray's node table: True until its health checks give up."""
+
+    def raylet_reachable(self, node_id: str) -> bool:
+        """Whether the node's raylet accepts a connection now (False at once
+        when its process is gone, long before the health checks say so)."""
+
+    def raylet_answers(self, node_id: str) -> bool:
+        """Whether the node's raylet completes a handshake: a frozen node
+        (stopped, or its traffic dropped) still looks reachable to a bare
+        connect, but answers nothing."""
 
     def ping(self, worker: Any, timeout_s: float) -> None:
         """Raise a RayError if the worker does not answer within timeout_s."""
@@ -42,8 +53,43 @@ def is_node_alive(node_id: str) -> bool:
 
 
 class RayProbe:
+    def __init__(self, connect_timeout_s: float = 0.5):
+        self._connect_timeout_s = connect_timeout_s
+        self._raylets: dict[str, tuple[str, int]] = {}  # node -> its raylet's address
+
     def node_alive(self, node_id: str) -> bool:
         return is_node_alive(node_id)
+
+    def _address(self, node_id: str) -> Optional[tuple[str, int]]:
+        if node_id not in self._raylets:
+            for node in ray.nodes():
+                self._raylets[node["NodeID"]] = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+        return self._raylets.get(node_id)
+
+    def raylet_reachable(self, node_id: str) -> bool:
+        address = self._address(node_id)
+        if address is None:
+            return False  # not a node of this cluster (any more)
+        try:
+            socket.create_connection(address, timeout=self._connect_timeout_s).close()
+            return True
+        except OSError:  # refused (the raylet is gone) or no route / timeout
+            return False
+
+    def raylet_answers(self, node_id: str) -> bool:
+        import grpc
+
+        address = self._address(node_id)
+        if address is None:
+            return False
+        channel = grpc.insecure_channel(f"{address[0]}:{address[1]}")
+        try:  # the HTTP/2 handshake needs the raylet process itself
+            grpc.channel_ready_future(channel).result(timeout=self._connect_timeout_s)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
+        finally:
+            channel.close()
 
     def ping(self, worker: Any, timeout_s: float) -> None:
         ray.get(worker.ping.remote(), timeout=timeout_s)
@@ -75,10 +121,16 @@ class FailureLocator:
         self._sleep = sleep
         self._confirm_s = confirm_s
 
+    def node_lost(self, node_id: str) -> bool:
+        """The node is gone: Ray says so, or its raylet no longer takes
+        connections (Ray's default health checks take several seconds more
+        to mark it dead)."""
+        return not self.probe.node_alive(node_id) or not self.probe.raylet_reachable(node_id)
+
     def _kind_of_death(self, exc: BaseException, node_id: str) -> FailureKind:
         if getattr(exc, "preempted", False):
             return FailureKind.PREEMPTED
-        if not self.probe.node_alive(node_id):
+        if self.node_lost(node_id):
             return FailureKind.NODE_DIED
         return FailureKind.PROCESS_DIED
 
@@ -93,7 +145,7 @@ class FailureLocator:
         if isinstance(exc, rex.ActorUnavailableError):
             end = self._clock() + self._confirm_s
             while self._clock() < end:
-                if not self.probe.node_alive(node_id):
+                if self.node_lost(node_id):
                     return FailureKind.NODE_DIED
                 try:
                     self.probe.ping(worker, 0.5)
@@ -102,7 +154,7 @@ class FailureLocator:
                     return self._kind_of_death(died, node_id)
                 except (rex.ActorUnavailableError, rex.GetTimeoutError):
                     self._sleep(0.1)
-            return FailureKind.NODE_DIED if not self.probe.node_alive(node_id) else FailureKind.HUNG
+            return FailureKind.NODE_DIED if self.node_lost(node_id) else FailureKind.HUNG
         if isinstance(exc, (rex.ObjectLostError, rex.OwnerDiedError)):
             # A gradient or snapshot held on a lost node: the node is gone.
             return FailureKind.NODE_DIED
@@ -118,7 +170,7 @@ class FailureLocator:
         if kind != FailureKind.NODE_DIED:
             return s
         for t in [s] + sorted(live):
-            if any(not self.probe.node_alive(i["node_id"]) for i in live[t].infos):
+            if any(self.node_lost(i["node_id"]) for i in live[t].infos):
                 return t
         return s
 
@@ -130,13 +182,21 @@ class FailureLocator:
             try:
                 self.probe.ping(live[s].workers[h], 0.5)
             except rex.GetTimeoutError:
-                return failure(FailureKind.HUNG, s, h, step, f"no answer within the step deadline ({deadline_s:.1f} s)")
+                node = live[s].infos[h]["node_id"]
+                return failure(
+                    FailureKind.HUNG, s, h, step,
+                    f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
+                    + ("does not answer either (frozen or cut off)" if self._node_silent(node) else "answers"),
+                )
             except rex.RayError as e:
                 kind = self.classify_call(e, live, s, h)
                 if kind is not TRANSIENT:
                     return failure(kind, s, h, step, short(e))
         s, h = min(candidates)
         return failure(FailureKind.HUNG, s, h, step, f"step did not finish within {deadline_s:.1f} s")
+
+    def _node_silent(self, node_id: str) -> bool:
+        return self.node_lost(node_id) or not self.probe.raylet_answers(node_id)
 
     def first_dead(self, exc: BaseException, live: Mapping, step: int) -> SliceFailure:
         """A call to several slices failed: the first host that does not

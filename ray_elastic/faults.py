@@ -18,7 +18,7 @@ from ray_elastic.errors import ConfigError
 
 __all__ = ["Fault", "FaultInjector", "FAULT_KINDS"]
 
-FAULT_KINDS = ("kill", "remove_node", "stop", "term")
+FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +26,8 @@ class Fault:
     """kill: SIGKILL the worker process. remove_node: take its node out of the
     cluster (and its processes with it). stop: SIGSTOP the worker (a hang).
     term: SIGTERM the worker (a preemption notice to the process).
+    freeze_node: stop the node's raylet and every process on it (alive but
+    unreachable: a frozen machine, or one whose network dropped).
     """
 
     kind: str
@@ -67,13 +69,15 @@ class FaultInjector:
         faults: list[Fault],
         remove_node: Optional[Callable[[str], None]] = None,
         clock: Callable[[], float] = time.monotonic,
+        freeze_node: Optional[Callable[[str], None]] = None,
     ):
         self.pending = list(faults)
         self._clock = clock
         self.fired: list[Fired] = []
-        self._remove_node = remove_node
-        if any(f.kind == "remove_node" for f in faults) and remove_node is None:
-            raise ConfigError("faults", "a remove_node fault needs a cluster that can remove nodes (remove_node=...)")
+        self._node_actions = {"remove_node": remove_node, "freeze_node": freeze_node}
+        for kind, action in self._node_actions.items():
+            if action is None and any(f.kind == kind for f in faults):
+                raise ConfigError("faults", f"a {kind} fault needs a cluster that can do it ({kind}=...)")
 
     def fire_due(self, step: int, hosts: dict) -> list[Fired]:
         """Fire every fault due at `step` on a live slice. `hosts` maps a
@@ -94,7 +98,7 @@ class FaultInjector:
             elif f.kind == "term":
                 os.kill(info["pid"], signal.SIGTERM)
             else:
-                self._remove_node(info["node_id"])
+                self._node_actions[f.kind](info["node_id"])
             self.pending.remove(f)  # only once it has really fired
             self.fired.append(fired)
             out.append(fired)

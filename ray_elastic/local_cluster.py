@@ -37,7 +37,13 @@ def _free_port() -> int:
 
 
 class LocalCluster:
-    def __init__(self, num_nodes: int, cpus_per_node: int = 1, object_store_mb: int = 200):
+    """health_checks: "tuned" (FAST_FAILURE_DETECTION, as the shipped
+    cluster configs set) or "default" (Ray's own, as a cluster that sets
+    nothing has)."""
+
+    def __init__(self, num_nodes: int, cpus_per_node: int = 1, object_store_mb: int = 200, health_checks: str = "tuned"):
+        if health_checks not in ("tuned", "default"):
+            raise ValueError(f"health_checks: 'tuned' or 'default', got {health_checks!r}")
         self._cpus = cpus_per_node
         self._store = object_store_mb * 1024 * 1024
         self.cluster = Cluster(
@@ -47,10 +53,11 @@ class LocalCluster:
                 # A free port: another cluster on this machine may hold 8265.
                 "dashboard_port": _free_port(),
                 "object_store_memory": self._store,
-                "_system_config": FAST_FAILURE_DETECTION,
+                "_system_config": FAST_FAILURE_DETECTION if health_checks == "tuned" else {},
             },
         )
         self.nodes = {}
+        self.frozen: dict[str, list[int]] = {}  # node -> pids stopped
         for _ in range(num_nodes):
             self.add_node()
 
@@ -78,6 +85,20 @@ class LocalCluster:
             except ProcessLookupError:
                 pass
 
+    def freeze_node(self, node_id: str) -> list[int]:
+        """SIGSTOP a node's raylet and every process on it: alive, but it
+        answers nothing. Returns the pids stopped (thaw_node wakes them)."""
+        node = self.nodes[node_id]
+        pids = [p.process.pid for p in node.all_processes.get(_raylet_type(), [])] + _worker_pids_on(node)
+        for pid in pids:
+            _signal(pid, signal.SIGSTOP)
+        self.frozen[node_id] = pids
+        return pids
+
+    def thaw_node(self, node_id: str) -> None:
+        for pid in self.frozen.pop(node_id, []):
+            _signal(pid, signal.SIGCONT)
+
     def ensure_nodes(self, n: int) -> "LocalCluster":
         """Make the cluster have exactly n live worker nodes: forget nodes
         that died, remove idle extras, add missing ones (main thread only)."""
@@ -98,6 +119,8 @@ class LocalCluster:
 
     def shutdown(self) -> None:
         """Idempotent: stop the connection, then every node."""
+        for node_id in list(self.frozen):
+            self.thaw_node(node_id)
         if ray.is_initialized():
             ray.shutdown()
         if self.cluster.head_node is not None or self.cluster.worker_nodes:
@@ -117,3 +140,16 @@ def _worker_pids_on(node) -> list[int]:
         except psutil.NoSuchProcess:
             pass
     return pids
+
+
+def _raylet_type() -> str:
+    from ray._private import ray_constants
+
+    return ray_constants.PROCESS_TYPE_RAYLET
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

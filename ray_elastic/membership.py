@@ -91,7 +91,10 @@ class Membership:
         found = self.snapshots.restore_source(self.backend.node_alive)
         durable = self.checkpoints.latest_committed() if self.checkpoints else None
         if durable is not None and (found is None or durable > found[0]):
-            return StateSource("checkpoint", durable, self.checkpoints.restore_ref(durable))
+            ref = self.checkpoints.restore_ref(durable)
+            # A step found damaged on reading is moved aside and an older
+            # one delivered instead: the run goes back to that one.
+            return StateSource("checkpoint", self.checkpoints.restored_step, ref)
         if found is not None:
             return StateSource("snapshot", found[0], found[1])
         # No snapshot survives (snapshots off, none taken yet, or every

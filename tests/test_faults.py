@@ -59,7 +59,7 @@ def test_parse_invalid(text):
 
 
 def test_fault_kinds():
-    assert set(FAULT_KINDS) == {"kill", "remove_node", "stop", "term"}
+    assert set(FAULT_KINDS) == {"kill", "remove_node", "stop", "term", "freeze_node"}
     with pytest.raises(ValueError, match="fault kind"):
         Fault("nuke", 0, 0)
 
@@ -188,3 +188,14 @@ def test_stop_fault_stops_process(sleeper):
     inj.fire_due(0, live)
     assert wait_for(lambda: proc_state(sleeper.pid) == "T")
     assert sleeper.poll() is None  # stopped, not dead
+
+
+def test_freeze_node_fault_calls_its_action_once():
+    calls = []
+    with pytest.raises(ValueError, match="freeze_node"):
+        FaultInjector([Fault("freeze_node", 0, 1)])
+    inj = FaultInjector([Fault("freeze_node", 0, 2)], freeze_node=calls.append)
+    hosts = {0: [info(7, "n0")]}
+    assert inj.fire_due(1, hosts) == [] and calls == []
+    assert [f.node_id for f in inj.fire_due(2, hosts)] == ["n0"]
+    assert calls == ["n0"] and inj.pending == []

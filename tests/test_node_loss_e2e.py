@@ -1,0 +1,75 @@
+"""Node loss as production clusters see it: on Ray's default health-check
+settings (what a cluster that sets nothing has) a removed node is still
+named `node_died` (the raylet's closed port says so long before Ray's
+health checks do), and a frozen node (raylet and workers SIGSTOPped: alive
+but unreachable) is located within the step deadline, the run recovers by
+policy, and once the node wakes its stale workers end without rejoining."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer, Fault
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.mark.parametrize("health_checks", ["default"])
+def test_node_removal_on_ray_defaults_is_node_died(health_checks):
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tests", "drivers", "node_loss_driver.py"), "--health-checks", health_checks],
+        capture_output=True, text=True, timeout=400, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    (f,) = report["failures"]
+    assert (f["kind"], f["slice"], f["step"]) == ("node_died", 1, 10), f
+    assert report["steps_completed"] == report["steps_requested"]
+
+
+def test_frozen_node_is_located_and_its_stale_workers_never_rejoin(cluster, nodes, lm_factory):
+    nodes(2)
+    frozen: dict = {}
+
+    def freeze(node_id):
+        frozen["node"] = node_id
+        frozen["pids"] = cluster.freeze_node(node_id)
+
+    def on_event(e):
+        # Wake the node once the run has recovered without it.
+        if e["event"] == "recovered" and "node" in frozen:
+            time.sleep(2.0)  # long enough for Ray to have marked it dead
+            cluster.thaw_node(frozen["node"])
+            frozen["thawed_at"] = time.monotonic()
+
+    trainer = ElasticTrainer(
+        lm_factory,
+        ElasticConfig(num_slices=2, policy="resize", min_slices=1, step_deadline_floor_s=2.0),
+        30,
+        faults=(Fault("freeze_node", 1, 8),),
+        freeze_node=freeze,
+        on_event=on_event,
+    )
+    report = trainer.fit()
+    assert report.steps_completed == 30
+    (f,) = report.failures
+    assert (f.kind, f.slice, f.step) == ("hung", 1, 8), f
+    assert "does not answer either" in f.cause, f.cause
+    assert f.detected_s < 10.0  # within the step deadline (2 s floor) plus the ping
+    # Nothing of the frozen slice came back: the rest ran on slice 0 alone.
+    assert set(report.slices_per_step[9:]) == {1}
+    assert "thawed_at" in frozen
+    # Woken, the node learns it was declared dead: its processes end.
+    deadline = time.monotonic() + 60
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in frozen["pids"]):
+        assert time.monotonic() < deadline, "stale processes of the frozen node still run"
+        time.sleep(0.5)
