@@ -42,22 +42,35 @@ SAVE_EVERY = 5
 KILL_AT_COMMITTED = 3 * SAVE_EVERY
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
+def _stop(cluster: RayStartCluster) -> None:
     import shutil
 
-    temp_dir = tempfile.mkdtemp(prefix="re-drv-", dir="/tmp")  # short: socket paths < 108 bytes
-    cluster = RayStartCluster(temp_dir)
+    left = cluster.stop()
+    if os.environ.get("RAY_ELASTIC_KEEP_TEST_DIRS"):
+        print(f"test cluster's folder kept: {cluster.temp_dir}")
+    else:
+        shutil.rmtree(cluster.temp_dir, ignore_errors=True)
+    assert not left, f"processes of the test cluster still alive: {left}"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # A second try on a fresh cluster: on a loaded machine a `ray start`
+    # worker can miss Ray's fixed 30 s for its raylet to register.
+    for attempt in (1, 2):
+        cluster = RayStartCluster(tempfile.mkdtemp(prefix="re-drv-", dir="/tmp"))  # short: socket paths < 108 bytes
+        try:
+            cluster.start()
+            break
+        except (RuntimeError, TimeoutError) as e:
+            _stop(cluster)
+            if attempt == 2:
+                raise
+            print(f"\ntest cluster did not start ({str(e).splitlines()[0]}); trying a fresh one")
     try:
-        cluster.start()
         yield cluster
     finally:
-        left = cluster.stop()
-        if os.environ.get("RAY_ELASTIC_KEEP_TEST_DIRS"):
-            print(f"test cluster's folder kept: {temp_dir}")
-        else:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not left, f"processes of the test cluster still alive: {left}"
+        _stop(cluster)
 
 
 def _listed(cluster: RayStartCluster, resource: str, **filters) -> list[dict]:
