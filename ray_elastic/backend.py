@@ -35,6 +35,11 @@ class SliceBackend(Protocol):
     ) -> StepResult:
         """One step on these slices, or a SliceFailure."""
 
+    def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
+        """Complete a step that lost a slice in its gradient phase (the
+        failure's `partial`) on these slices, keeping the gradients already
+        computed; or a SliceFailure."""
+
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         """Load a state (a ref) into every host of these slices. Raises
         StateLoadFailed naming the slices that died meanwhile."""

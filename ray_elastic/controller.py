@@ -77,6 +77,7 @@ class _OpenFailure:
     t_fault: float
     steps_rewound: int = 0
     restored_from: str = ""
+    compute_redone: Optional[float] = None  # None: steps_rewound whole steps
 
 
 class ElasticTrainer:
@@ -331,6 +332,10 @@ class ElasticTrainer:
                 self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host, step=k)
 
         result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults)
+        self._complete_step(k, result, t_start)
+
+    def _complete_step(self, k: int, result, t_start: float) -> None:
+        m = self.members
         self._preemption.record_step(result.metrics)
         for s, ref in result.snapshots.items():
             self._snapshots.offer(k + 1, s, ref, m.backend.hosts(s)[0]["node_id"])
@@ -345,9 +350,11 @@ class ElasticTrainer:
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
         for f in self._open:
+            redone = float(f.steps_rewound) if f.compute_redone is None else f.compute_redone
             self._event(
                 "recovered", slice=f.slice_id, step=self.step, recovered_s=round(t_end - f.t_fault, 4),
-                steps_rewound=f.steps_rewound, restored_from=f.restored_from, slices_after=len(m.live),
+                steps_rewound=f.steps_rewound, compute_redone=round(redone, 4),
+                restored_from=f.restored_from, slices_after=len(m.live),
             )
         self._open.clear()
         step_metrics = {"loss": result.loss, "slices": len(m.live), "step_s": t_end - t_start}
@@ -403,6 +410,27 @@ class ElasticTrainer:
         open_failure.steps_rewound = (f.step + 1 if in_flight else f.step) - self.step
         open_failure.restored_from = "live" if self.members.live else "pending"
         self._open.append(open_failure)
+        partial = getattr(f, "partial", None)
+        if (in_flight and isinstance(d, Shrink) and partial is not None and self.step == f.step
+                and self.config.batch_on_resize == "accumulate"):
+            self._finish_in_flight(partial, open_failure)
+
+    def _finish_in_flight(self, partial, open_failure: _OpenFailure) -> None:
+        """Resize, a slice lost in the gradient phase: the survivors keep
+        their gradients, compute only the lost slice's shards, and complete
+        the step; no step is redone."""
+        m, k = self.members, partial.step
+        lost = [sh for s, shards in partial.assignment.items() if s not in partial.payloads for sh in shards]
+        open_failure.steps_rewound = 0
+        open_failure.compute_redone = len(lost) / self.config.num_slices
+        t_start = self._clock()
+        try:
+            result = m.backend.finish_step(partial, sorted(m.live), self._snapshot_takers(k + 1), self._deadline_s())
+        except SliceFailure as again:
+            open_failure.steps_rewound, open_failure.compute_redone = 1, None
+            return self._recover(again)
+        self._event("step_completed_on_survivors", step=k + 1, shards_recomputed=len(lost))
+        self._complete_step(k, result, t_start)
 
     def _reconcile(self) -> None:
         """Bring the survivors to one common step after a failure mid-step.

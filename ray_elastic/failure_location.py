@@ -164,6 +164,19 @@ class FailureLocator:
         sl = live[s]
         return self.classify(exc, sl.workers[h], sl.infos[h]["node_id"])
 
+    def lost_host(self, live: Mapping) -> Optional[tuple[int, int]]:
+        """(slice, host) on a node whose raylet refuses connections, if
+        any: probed while a step runs, this finds a lost node before the
+        calls to it fail (one connect per node, not per host)."""
+        seen: dict[str, tuple[int, int]] = {}
+        for s in sorted(live):
+            for h, info in enumerate(live[s].infos):
+                seen.setdefault(info["node_id"], (s, h))
+        for node_id, where in seen.items():
+            if not self.probe.raylet_reachable(node_id):
+                return where
+        return None
+
     def blame(self, s: int, kind: FailureKind, live: Mapping) -> int:
         """The slice to blame for a failed call: one that lost a node, if
         any (its peers' calls fail too when they fetch from it)."""

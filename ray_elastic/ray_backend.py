@@ -101,6 +101,9 @@ class RayBackend:
     ) -> StepResult:
         return self.runner.run(step, self._live(slices), assignment, takers, deadline_s, on_issued)
 
+    def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
+        return self.runner.finish(partial, self._live(slices), takers, deadline_s)
+
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         refs = [w.load_state.remote(source) for s in slices for w in self._up[s].workers]
         try:

@@ -36,6 +36,7 @@ class ReportRecorder(Callback):
             self._open.remove(rec)
             rec.recovered_s = event["recovered_s"]
             rec.steps_rewound = event["steps_rewound"]
+            rec.compute_redone = event.get("compute_redone", float(rec.steps_rewound))
             rec.restored_from = event["restored_from"]
             rec.slices_after = event["slices_after"]
         elif name == "rewind":

@@ -18,6 +18,7 @@ class FailureRecord:
     detected_s: float  # fault (or first sign of it) -> exception in the driver
     recovered_s: Optional[float] = None  # fault -> first step completed after it
     steps_rewound: int = 0  # steps whose work was thrown away
+    compute_redone: float = 0.0  # steps of compute done again (a fraction when only a lost slice's shards were)
     slices_after: int = 0  # slices training right after the recovery
     restored_from: str = ""  # "live" (survivors' state) or "snapshot"
     cause: str = ""

@@ -24,11 +24,15 @@ from typing import Any, Callable, Mapping, Optional
 import ray
 from ray import exceptions as rex
 
+from ray_elastic.errors import FailureKind, SliceFailure
 from ray_elastic.failure_location import TRANSIENT, FailureLocator, failure, short
 
-__all__ = ["APPLY_FAN_IN", "StepResult", "StepRunner"]
+__all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner"]
 
 APPLY_FAN_IN = 8
+# While a step runs, the nodes of the live slices are probed this often: a
+# node whose raylet is gone is found before the calls to it fail.
+NODE_PROBE_S = 0.25
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +43,19 @@ class StepResult:
     @property
     def loss(self) -> float:
         return next(iter(self.metrics.values()))["loss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialStep:
+    """What a step had done when a slice failed in its gradient phase: the
+    gradients of the slices that finished it (refs on their own nodes).
+    Rides on the SliceFailure (`partial`), so that under resize the
+    survivors compute only the lost slice's shards and the step completes."""
+
+    step: int
+    assignment: dict  # slice -> its shards, as the step began
+    payloads: dict  # surviving slice -> its host 0's gradients (a ref)
+    pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 calls still running
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,22 +83,57 @@ class StepRunner:
         `takers`: slices whose reply carries a snapshot; `on_issued` runs
         once phase 1 is in flight (where injected faults fire)."""
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
-        payloads: dict[int, Any] = {}  # slice -> its host 0's gradients (a ref)
+        issued, payloads = self._issue_grads(k, live, assignment)
+        on_issued()
+        finished: set = set()
+        try:
+            self._gather(issued, k, wait, live, finished)
+        except SliceFailure as f:
+            # The survivors' calls still running are kept, not redone.
+            survivors = {s: payloads[s] for s in live if s != f.slice_id and s in payloads}
+            pending = [c for c in issued if c[0] in survivors and (c[0], c[1]) not in finished]
+            f.partial = PartialStep(k, dict(assignment), survivors, pending)
+            raise
+        holder = {shard: payloads[s] for s, shards in assignment.items() for shard in shards}
+        return self._apply(k, live, holder, takers, wait)
+
+    def finish(self, partial: PartialStep, live: Mapping, takers: frozenset, deadline_s: float) -> StepResult:
+        """Complete a step whose gradient phase lost a slice: the live
+        slices compute the shards nobody finished (spread over them in
+        order), the others' gradients are kept, and the step applies as
+        usual. The reduction is keyed by shard, so the result is bitwise
+        the one a failure-free step gives."""
+        k, wait = partial.step, _Deadline(self._clock() + deadline_s, deadline_s)
+        kept = {s: ref for s, ref in partial.payloads.items() if s in live}
+        holder = {shard: kept[s] for s, shards in partial.assignment.items() if s in kept for shard in shards}
+        missing = sorted(shard for shards in partial.assignment.values() for shard in shards if shard not in holder)
+        order = sorted(live)
+        extra = {s: tuple(missing[i::len(order)]) for i, s in enumerate(order) if missing[i::len(order)]}
+        issued, payloads = self._issue_grads(k, live, extra)
+        self._gather([c for c in partial.pending if c[0] in kept] + issued, k, wait, live)
+        holder.update({shard: payloads[s] for s, shards in extra.items() for shard in shards})
+        return self._apply(k, live, holder, takers, wait)
+
+    def _issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple]) -> tuple[list, dict]:
+        """Phase-1 calls on every host of the slices in `shards_of`; the
+        payloads dict fills with each slice's host-0 gradients (a ref)."""
+        payloads: dict[int, Any] = {}
 
         def grads_call(w, s: int, h: int):
-            status, payload = w.compute_grads.options(num_returns=2).remote(k, assignment[s])
+            status, payload = w.compute_grads.options(num_returns=2).remote(k, shards_of[s])
             if h == 0:
                 payloads[s] = payload  # a re-issued call replaces it
             return status
 
         issued = [
             (s, h, grads_call(w, s, h), lambda w=w, s=s, h=h: grads_call(w, s, h))
-            for s, sl in sorted(live.items())
-            for h, w in enumerate(sl.workers)
+            for s in sorted(shards_of)
+            for h, w in enumerate(live[s].workers)
         ]
-        on_issued()
-        self._gather(issued, k, wait, live)
-        grad_refs = self._hand_off(k, live, assignment, payloads, wait)
+        return issued, payloads
+
+    def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: "_Deadline") -> StepResult:
+        grad_refs = self._hand_off(k, live, holder, wait)
 
         issued, snaps = [], {}
         for s, sl in sorted(live.items()):
@@ -97,8 +149,9 @@ class StepRunner:
                 issued.append((s, h, m_ref, lambda call=call: call()[0]))
         return StepResult(self._gather(issued, k, wait, live), snaps)
 
-    def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping) -> dict:
-        """Wait for every call; raise a SliceFailure on the first lost slice."""
+    def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping, finished: Optional[set] = None) -> dict:
+        """Wait for every call; raise a SliceFailure on the first lost slice.
+        `finished` collects the (slice, host) calls that completed."""
         pending = {ref: (s, h, reissue) for s, h, ref, reissue in issued}
         out = {}
         while pending:
@@ -106,7 +159,13 @@ class StepRunner:
             if remaining <= 0:
                 candidates = [(s, h) for s, h, _ in pending.values()]
                 raise self.locator.hung(candidates, live, k, wait.seconds)
-            done, rest = ray.wait(list(pending), num_returns=1, timeout=remaining)
+            done, rest = ray.wait(list(pending), num_returns=1, timeout=min(remaining, NODE_PROBE_S))
+            if not done:
+                lost = self.locator.lost_host(live)
+                if lost is not None:
+                    s, h = lost
+                    raise failure(FailureKind.NODE_DIED, s, h, k, "the node's raylet stopped taking connections")
+                continue
             if done and rest:
                 # Take everything else already finished in one go, so a
                 # phase costs O(slices), not one wait per slice.
@@ -116,6 +175,8 @@ class StepRunner:
                 s, h, reissue = pending.pop(ref)
                 try:
                     out[(s, h)] = ray.get(ref)
+                    if finished is not None:
+                        finished.add((s, h))
                 except rex.RayError as e:
                     kind = self.locator.classify_call(e, live, s, h)
                     if kind is TRANSIENT:
@@ -124,11 +185,10 @@ class StepRunner:
                     raise failure(kind, self.locator.blame(s, kind, live), h, k, short(e)) from None
         return out
 
-    def _hand_off(self, k: int, live: Mapping, assignment: Mapping, payloads: dict, wait: "_Deadline") -> list:
-        """The refs every slice's apply call takes: the phase-1 payloads
-        themselves up to `fan_in` shards, else the top of the reduction
-        tree over consecutive shards."""
-        holder = {shard: payloads[s] for s, shards in assignment.items() for shard in shards}
+    def _hand_off(self, k: int, live: Mapping, holder: dict, wait: "_Deadline") -> list:
+        """The refs every slice's apply call takes (`holder`: shard -> the
+        phase-1 payload holding it): the payloads themselves up to `fan_in`
+        shards, else the top of the reduction tree over consecutive shards."""
         nodes = [(shard, [holder[shard]]) for shard in sorted(holder)]  # (key, refs holding it)
         reducers = sorted(live)
         fan = self.fan_in

@@ -11,7 +11,7 @@ from ray_elastic import ElasticConfig, ElasticTrainer
 from ray_elastic.backend import SliceUp
 from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted, StateLoadFailed
 from ray_elastic.failure_location import failure
-from ray_elastic.step_runner import StepResult
+from ray_elastic.step_runner import PartialStep, StepResult
 
 
 class FakeClock:
@@ -38,6 +38,8 @@ class FakeBackend:
         self.held: dict[int, int] = {}  # set-up slice -> the step its state is at
         self.started: list[int] = []
         self.steps_run: list[tuple[int, tuple]] = []
+        self.partial_steps = False  # failures carry the survivors' finished gradients
+        self.finished: list[tuple[int, tuple]] = []
 
     def start(self, s):
         self.retire(s)
@@ -59,8 +61,19 @@ class FakeBackend:
         self.clock.now += self.step_s
         for s in slices:
             if (k, s) in self.fail_at:
-                raise failure(self.fail_at.pop((k, s)), s, 0, k, "injected")
+                f = failure(self.fail_at.pop((k, s)), s, 0, k, "injected")
+                if self.partial_steps:  # the others finished their gradients
+                    f.partial = PartialStep(k, dict(assignment), {t: ("grads", t) for t in slices if t != s})
+                raise f
         assert sorted(sum((tuple(v) for v in assignment.values()), ())) == list(range(self.num_shards)), "every shard, every step"
+        return self._complete(k, slices, takers)
+
+    def finish_step(self, partial, slices, takers, deadline_s):
+        self.clock.now += self.step_s
+        self.finished.append((partial.step, tuple(slices)))
+        return self._complete(partial.step, slices, takers)
+
+    def _complete(self, k, slices, takers):
         assert all(self.held[s] == k for s in slices), "slices out of step"
         for s in slices:
             self.held[s] = k + 1
@@ -195,3 +208,24 @@ def test_run_state_is_typed():
     trainer.fit()
     assert any(isinstance(s, Waiting) for s in seen)
     assert isinstance(trainer._state, Running) and not trainer._state.fresh
+
+
+def test_resize_completes_the_step_in_flight_on_the_survivors():
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="resize", min_slices=1), steps=12)
+    backend.partial_steps = True
+    backend.fail_at[(5, 1)] = FailureKind.PROCESS_DIED
+    report = trainer.fit()
+    (f,) = report.failures
+    assert (f.steps_rewound, f.compute_redone, f.slices_after) == (0, 0.5, 1)
+    assert backend.finished == [(5, (0,))]
+    assert [k for k, _ in backend.steps_run] == list(range(12))  # no step run twice
+    assert report.losses == [1.0 / (k + 1) for k in range(12)]
+
+
+def test_pause_still_redoes_the_step_in_flight():
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=8)
+    backend.partial_steps = True
+    backend.fail_at[(5, 1)] = FailureKind.PROCESS_DIED
+    report = trainer.fit()
+    (f,) = report.failures
+    assert backend.finished == [] and (f.steps_rewound, f.compute_redone) == (1, 1.0)
