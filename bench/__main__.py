@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -10,7 +10,11 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   scenario, plus chaos, step-time overheads and the goals;
 - scale: the real controller against 16..1024 simulated slices;
 - detect: node removal and a frozen node on Ray's default health checks
-  and on the tuned ones, side by side.
+  and on the tuned ones, side by side;
+- soak: a long chaos run per policy (six fault kinds, one every 20-60 s) on
+  Ray's default health checks with checkpoints on a GCS-compatible server,
+  then a failure-free reference: every failure recovered, final state
+  bitwise equal (`--minutes`, `--policy pause|resize|both`).
 """
 
 from __future__ import annotations
@@ -30,19 +34,30 @@ def _csv(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect"))
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
-    parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size")
+    parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size; soak: steps per run (skips the warm-up)")
     parser.add_argument("--fail-at", type=int, default=None, help="compare: step of the fault")
     parser.add_argument("--chaos-s", type=float, default=None, help="compare: chaos run length (quick 120, full 300)")
     parser.add_argument("--overhead-pairs", type=int, default=None,
                         help="compare: alternated rounds for the overheads (quick 2, full 5; 0: skip)")
     parser.add_argument("--sizes", type=lambda t: [int(x) for x in _csv(t)], default=None,
                         help="scale: slice counts (default 16,64,256,1024)")
+    parser.add_argument("--minutes", type=float, default=30.0, help="soak: length of each chaos run (default 30)")
+    parser.add_argument("--policy", default="both", choices=("pause", "resize", "both"),
+                        help="soak: the policy of the chaos run(s) (default both)")
+    parser.add_argument("--seed", type=int, default=0, help="soak: seed of the fault draws")
+    parser.add_argument("--kinds", type=_csv, default=None,
+                        help="soak: comma-separated subset of fault kinds (default all six)")
+    parser.add_argument("--interval", type=lambda t: tuple(float(x) for x in _csv(t)), default=None,
+                        help="soak: seconds between faults, MIN,MAX (default 20,60)")
+    parser.add_argument("--max-faults", type=int, default=None, help="soak: at most this many faults per run")
+    parser.add_argument("--no-reference", action="store_true",
+                        help="soak: skip the failure-free reference run (and the bitwise check)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -77,6 +92,25 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "detect.md"), "w") as f:
             f.write(text + "\n")
         return 0
+
+    if args.suite == "soak":
+        from bench import soak
+
+        kinds = args.kinds or list(soak.KINDS)
+        bad = [k for k in kinds if k not in soak.KINDS]
+        if bad:
+            parser.error(f"unknown fault kind(s) {bad}; choose from {', '.join(soak.KINDS)}")
+        interval = args.interval or soak.INTERVAL_S
+        if len(interval) != 2 or not 0 < interval[0] <= interval[1]:
+            parser.error("--interval: MIN,MAX seconds, 0 < MIN <= MAX")
+        policies = soak.POLICIES if args.policy == "both" else (args.policy,)
+        result = soak.run(args.minutes, policies, seed=args.seed, interval_s=interval, kinds=kinds,
+                          steps=args.steps, reference=not args.no_reference, max_faults=args.max_faults)
+        files = soak.write(result, args.out)
+        print()
+        print(soak.table(result))
+        print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
+        return 1 if result["fails"] else 0
 
     if args.suite == "compare":
         from bench import compare
