@@ -257,10 +257,22 @@ class RayStartCluster:
 def ray_cluster():
     # A short folder of our own: Ray's socket paths must stay under 108
     # bytes, and everything of this cluster (sessions, logs, sockets) is in it.
-    temp_dir = tempfile.mkdtemp(prefix="re-job-", dir="/tmp")
-    cluster = RayStartCluster(temp_dir)
+    # A second try on a fresh cluster: on a loaded machine a `ray start`
+    # worker can miss Ray's fixed 30 s for its raylet to register.
+    for attempt in (1, 2):
+        temp_dir = tempfile.mkdtemp(prefix="re-job-", dir="/tmp")
+        cluster = RayStartCluster(temp_dir)
+        try:
+            cluster.start()
+            break
+        except (RuntimeError, TimeoutError) as e:
+            left = cluster.stop()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            assert not left, f"processes of the test cluster still alive: {left}"
+            if attempt == 2:
+                raise
+            print(f"\ntest cluster did not start ({str(e).splitlines()[0]}); trying a fresh one")
     try:
-        cluster.start()
         yield cluster
     finally:
         left = cluster.stop()
