@@ -42,9 +42,10 @@ from typing import Callable, Optional, Sequence
 
 from bench.common import ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
 
-SYSTEMS = ("ray_elastic-pause", "ray_elastic-resize", "raytrain", "raytrain-elastic", "full-restart")
+SYSTEMS = ("ray_elastic-pause", "ray_elastic-pause-spare", "ray_elastic-resize", "raytrain", "raytrain-elastic",
+           "full-restart")
 SCENARIOS = ("kill", "remove_node", "stop", "preempt", "chaos")
-ELASTIC = ("ray_elastic-pause", "ray_elastic-resize")
+ELASTIC = ("ray_elastic-pause", "ray_elastic-pause-spare", "ray_elastic-resize")
 
 # Cells a system cannot do (or the bench does not run), with the reason.
 NOT_APPLICABLE = {
@@ -157,7 +158,7 @@ def _degraded(points: list[tuple], full: int, after_t: Optional[float]) -> dict:
 
 def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *,
                 factory=None, num_slices: int = 2, checkpoint_every: int = CHECKPOINT_EVERY,
-                preempt_deadline_s: float = PREEMPT_DEADLINE_S) -> dict:
+                preempt_deadline_s: float = PREEMPT_DEADLINE_S, spare_slices: int = 0) -> dict:
     """One ray_elastic run with one fault on slice 1 while step `fail_at` is
     in flight (preempt: the notice after step `fail_at` completes)."""
     from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
@@ -165,7 +166,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
 
     if scenario not in ("kill", "remove_node", "stop", "preempt", "none"):
         raise ValueError(f"unknown scenario {scenario!r}")
-    ensure_nodes(cluster, num_slices)
+    ensure_nodes(cluster, num_slices + spare_slices)
     factory = factory or lm_factory()
     rec = _recorder()
     state: dict = {"added": False, "stopped": []}
@@ -175,7 +176,8 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
     if scenario == "preempt":
         ckpt_dir = tempfile.mkdtemp(prefix="bench-elastic-ckpt-")
         checkpoint = CheckpointConfig(ckpt_dir, save_every=checkpoint_every, keep=2)
-    config = ElasticConfig(num_slices=num_slices, policy=policy, step_deadline_floor_s=STEP_DEADLINE_FLOOR_S)
+    config = ElasticConfig(num_slices=num_slices, policy=policy, step_deadline_floor_s=STEP_DEADLINE_FLOOR_S,
+                           spare_slices=spare_slices)
     trainer = ElasticTrainer(factory, config, steps, faults=faults, remove_node=cluster.remove_node,
                              callbacks=[rec], checkpoint=checkpoint)
 
@@ -185,8 +187,10 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
             state["stopped"].append(trainer.hosts(e["slice"])[e.get("host", 0)]["pid"])
         if scenario == "remove_node" and not state["added"]:
             # The replacement node comes once the run has noticed the loss:
-            # while it waits (pause) or once it trains on (resize).
-            if ev == ("wait" if policy == "pause" else "recovered"):
+            # while it waits (pause) or once it trains on (resize, or pause
+            # with a spare: add_node blocks this thread, which would hold up
+            # the spare's join).
+            if ev == ("wait" if policy == "pause" and not spare_slices else "recovered"):
                 state["added"] = True
                 cluster.add_node()
         if scenario == "preempt" and ev in ("shrink", "wait") and state.get("drained") in cluster.nodes:
@@ -591,7 +595,9 @@ def run(cluster, *, quick: bool = False, runs: Optional[int] = None,
         for i in range(runs):
             t0 = time.monotonic()
             if system in ELASTIC:
-                r = run_elastic(cluster, system.split("-", 1)[1], scenario, steps, fail_at, factory=factory)
+                policy, _, spare = system.split("-", 1)[1].partition("-")
+                r = run_elastic(cluster, policy, scenario, steps, fail_at, factory=factory,
+                                spare_slices=1 if spare == "spare" else 0)
             else:
                 r = run_peer(cluster, system, scenario, steps, fail_at, log=log)
             r["run"] = i

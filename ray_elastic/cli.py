@@ -82,6 +82,7 @@ def _demo(args: argparse.Namespace) -> int:
         min_slices=1 if args.policy == "resize" else None,
         timeout_s=args.timeout,
         step_deadline_floor_s=args.hang_floor,
+        spare_slices=args.spare_slices,
     )  # validated here, before any process or node is started
     from ray_elastic.checkpoint import CheckpointConfig
 
@@ -94,14 +95,15 @@ def _demo(args: argparse.Namespace) -> int:
 
     factory = functools.partial(lm.make_program, lm.LMConfig())
 
-    print(f"starting a local Ray cluster: head + {args.slices * args.hosts_per_slice} nodes", flush=True)
+    num_nodes = (args.slices + args.spare_slices) * args.hosts_per_slice
+    print(f"starting a local Ray cluster: head + {num_nodes} nodes", flush=True)
     t0 = time.monotonic()
     # What Ray prints in this process (from the cluster's start on) goes
     # to this file; each Ray process logs to the session's own folder.
     own = os.path.join(tempfile.gettempdir(), "ray_elastic", f"demo-{os.getpid()}.out")
     os.makedirs(os.path.dirname(own), exist_ok=True)
     with _RayOutputToFile(own) as console:
-        cluster = LocalCluster(num_nodes=args.slices * args.hosts_per_slice)
+        cluster = LocalCluster(num_nodes=num_nodes)
         try:
             logs = cluster.logs_dir
             print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", file=console.out)
@@ -286,6 +288,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="resize: train on the survivors at once; pause: wait for the replacement (default: %(default)s)")
     opt("--slices", type=int, default=2, help="slices, one simulated node per host (default: %(default)s)")
     opt("--hosts-per-slice", type=int, default=1, help="hosts (Ray nodes) in each slice (default: %(default)s)")
+    opt("--spare-slices", type=int, default=0,
+        help="spare_slices: hot standby slices, started and compiled ahead, that take a failed slice's place "
+        "(default: %(default)s)")
     opt("--steps", type=int, default=400, help="training steps (default: %(default)s)")
     opt("--fail-at", type=int, default=None, help="step of the fault; -1: no fault (default: steps/4)")
     opt("--fail-slice", type=int, default=1, help="slice the fault hits (default: %(default)s)")

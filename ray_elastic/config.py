@@ -165,6 +165,11 @@ class ElasticConfig:
         than max(floor, factor * median step time) marks its slice hung.
     first_step_deadline_s: the same for the first step after a (re)start,
         which includes the XLA compile.
+    spare_slices: standby slices reserved, started and compiled ahead of
+        time (they hold no training state): on a failure a spare takes the
+        failed slice's place at the next step boundary, and the failed
+        slice's replacement becomes the new spare. Costs the spares'
+        hardware for the whole run.
     compile_cache_dir: XLA's persistent compilation cache on each worker
         host; a replacement worker then loads the step program instead of
         compiling it (about 3.7 s to 0.9 s for the example model here).
@@ -185,6 +190,7 @@ class ElasticConfig:
     first_step_deadline_s: float = 120.0
     compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
     seed: int = 0
+    spare_slices: int = 0
 
     def __post_init__(self):
         _positive_int("num_slices", self.num_slices)
@@ -231,6 +237,8 @@ class ElasticConfig:
                 "batch_on_resize",
                 f"unknown mode {self.batch_on_resize!r}; use one of {BATCH_MODES}",
             )
+        if not _count(self.spare_slices) or self.spare_slices < 0:
+            raise ConfigError("spare_slices", f"must be an integer >= 0, got {self.spare_slices!r}")
         for name in ("step_deadline_floor_s", "step_deadline_factor", "first_step_deadline_s"):
             if not _number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")

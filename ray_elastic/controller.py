@@ -132,7 +132,9 @@ class ElasticTrainer:
         self._factory = program_factory
         self._clock = clock
         self._injector = FaultInjector(list(faults), remove_node, clock=clock, freeze_node=freeze_node)
-        self.report = RunReport(policy=config.policy, num_slices=config.num_slices, steps_requested=steps)
+        self.report = RunReport(
+            policy=config.policy, num_slices=config.num_slices, steps_requested=steps, spare_slices=config.spare_slices,
+        )
         # The recorder goes first, so every other callback's on_end sees a
         # complete report.
         self._callbacks: list[Callback] = [ReportRecorder(self.report), *callbacks]
@@ -242,15 +244,19 @@ class ElasticTrainer:
         )
 
     def _start(self) -> None:
-        m = self.members
-        for s in range(self.config.num_slices):
+        m, c = self.members, self.config
+        # Hot spares take the ids after the training slices'.
+        for s in range(c.num_slices + c.spare_slices):
             m.start(s)
-        self._event("reserve", slices=self.config.num_slices)
+        self._event("reserve", slices=c.num_slices, spares=c.spare_slices)
         # Start-up includes worker processes importing JAX and compiling,
         # so it gets at least the first step's deadline.
         wait_s = max(self.config.timeout_s, self.config.first_step_deadline_s)
         deadline = self._clock() + wait_s
-        while len(m.ready) < self.config.num_slices and self._clock() < deadline:
+        # Training starts once its slices (the lowest ids) are up; spares
+        # may follow.
+        training = set(range(self.config.num_slices))
+        while not training <= m.ready and self._clock() < deadline:
             m.poll(block_s=0.2)
         if len(m.ready) < self.config.required_slices:
             bundles = self.config.slice.bundles()
@@ -261,8 +267,8 @@ class ElasticTrainer:
                 "Add nodes to the cluster, lower num_slices, or raise timeout_s.",
                 setting="num_slices",
             )
-        m.go_live(set(m.ready))
-        self._event("start", slices=sorted(m.live))
+        m.go_live(training if training <= m.ready else set(sorted(m.ready)[: self.config.num_slices]))
+        self._event("start", slices=sorted(m.live), spares=sorted(m.ready))
 
     def _step_boundary(self) -> bool:
         """Apply the policy at a step boundary. True when a step can run."""
@@ -290,7 +296,7 @@ class ElasticTrainer:
             self._restore_from(source)
         if not self.members.join(new, source):
             return False
-        self._event("grow", joined=new, slices=sorted(self.members.live), step=self.step)
+        self._event("grow", joined=new, slices=sorted(self.members.live), spares=sorted(self.members.ready), step=self.step)
         return True
 
     def _restore_from(self, source: StateSource) -> None:

@@ -118,9 +118,13 @@ class LocalCluster:
             ray.init(address=self.address, log_to_driver=False, runtime_env=runtime_env)
 
     def shutdown(self) -> None:
-        """Idempotent: stop the connection, then every node."""
-        for node_id in list(self.frozen):
-            self.thaw_node(node_id)
+        """Idempotent: stop the connection, then every node. A node still
+        frozen is killed, not woken: woken, its stale processes would talk
+        to a cluster going down, and the driver's disconnect can wait on them."""
+        for pids in self.frozen.values():
+            for pid in pids:
+                _signal(pid, signal.SIGKILL)
+        self.frozen.clear()
         if ray.is_initialized():
             ray.shutdown()
         if self.cluster.head_node is not None or self.cluster.worker_nodes:

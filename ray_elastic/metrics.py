@@ -21,6 +21,7 @@ Ray puts `ray_` in front of every application metric, so the names below
 | `ray_elastic_loss` | gauge | run | loss of the last step |
 | `ray_elastic_step_seconds` | gauge | run | duration of the last step |
 | `ray_elastic_live_slices` | gauge | run | slices training now |
+| `ray_elastic_spare_slices` | gauge | run | hot spares ready to take a failed slice's place |
 | `ray_elastic_goodput` | gauge | run | time in kept steps / wall time so far |
 | `ray_elastic_failures_total` | counter | run, kind | failures by kind (process_died, node_died, hung, preempted) |
 | `ray_elastic_rewound_steps_total` | counter | run | steps whose work was thrown away |
@@ -81,6 +82,7 @@ def _metrics() -> dict:
                 "loss": Gauge("elastic_loss", "loss of the last completed step", run),
                 "step_seconds": Gauge("elastic_step_seconds", "duration of the last completed step", run),
                 "live_slices": Gauge("elastic_live_slices", "slices training now", run),
+                "spare_slices": Gauge("elastic_spare_slices", "hot spare slices ready to take a failed slice's place", run),
                 "goodput": Gauge("elastic_goodput", "time in kept steps / wall time so far", run),
                 "last_recovery": Gauge("elastic_last_recovery_seconds", "fault -> next completed step, latest failure", run),
                 "failures": Counter("elastic_failures", "slice failures by kind", ("run", "kind")),
@@ -176,6 +178,8 @@ class MetricsCallback(Callback):
         self._m["events"].inc(1, tags={"run": self.run_name, "event": name})
         if name in ("start", "grow", "shrink") and isinstance(e.get("slices"), (list, tuple)):
             self._set("live_slices", len(e["slices"]))
+        if isinstance(e.get("spares"), (list, tuple)):
+            self._set("spare_slices", len(e["spares"]))
         if name == "start":
             self._set_state("training")
         elif name == "detected":

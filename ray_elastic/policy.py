@@ -125,12 +125,19 @@ def _on_loss(event: SliceLost, view: SlicesView, config: ElasticConfig, now: flo
     return Wait(now + config.timeout_s)
 
 
+def _joinable(view: SlicesView) -> frozenset[int]:
+    """Live slices plus ready ones, up to num_slices in all: ready slices
+    beyond that stay as hot spares (lowest ids join first)."""
+    room = max(0, view.num_slices - len(view.live))
+    return frozenset(view.live) | frozenset(sorted(view.ready_to_join)[:room])
+
+
 def _on_tick(view: SlicesView, config: ElasticConfig, now: float) -> Decision:
-    ready = view.live | view.ready_to_join
+    ready = _joinable(view)
     if view.waiting_since is None:
-        return Grow(frozenset(ready)) if view.ready_to_join else Continue()
+        return Grow(ready) if ready != view.live else Continue()
     if len(ready) >= config.required_slices:
-        return Grow(frozenset(ready))
+        return Grow(ready)
     deadline = view.waiting_since + config.timeout_s
     if now >= deadline:
         setting = "timeout_s (MaxText: elastic_timeout_seconds)"

@@ -75,6 +75,7 @@ class ProgressCallback(Callback):
         self._step = 0
         self._loss: Optional[float] = None
         self._slices: Optional[int] = None
+        self._spares = 0  # hot spares ready
         self._num_slices: Optional[int] = None
         self._step_s: Optional[float] = None
         self._recent: list[float] = []  # recent step times, for the ETA
@@ -104,6 +105,8 @@ class ProgressCallback(Callback):
         with self._lock:
             if name in ("start", "grow", "shrink") and isinstance(e.get("slices"), list):
                 self._slices = len(e["slices"])
+            if isinstance(e.get("spares"), list):
+                self._spares = len(e["spares"])
             if name == "start":
                 self._set_mode("training")
             elif name == "detected":
@@ -225,7 +228,8 @@ class ProgressCallback(Callback):
             if self._loss is not None:
                 parts.append(f"loss {_num(self._loss, '.4f')}")
             if self._slices is not None:
-                parts.append(f"slices {self._slices}" + (f"/{self._num_slices}" if self._num_slices else ""))
+                parts.append(f"slices {self._slices}" + (f"/{self._num_slices}" if self._num_slices else "")
+                             + (f" +{self._spares} spare" if self._spares else ""))
             if self._mode == "waiting":
                 text = f"waiting {_fmt_s(now - self._since)} for slice {self._pending_text()}"
                 if isinstance(self._wait_deadline_s, (int, float)):

@@ -29,6 +29,7 @@ class RunReport:
     policy: str
     num_slices: int
     steps_requested: int
+    spare_slices: int = 0
     steps_completed: int = 0
     driver_pid_start: int = 0
     driver_pid_end: int = 0

@@ -229,3 +229,25 @@ def test_pause_still_redoes_the_step_in_flight():
     report = trainer.fit()
     (f,) = report.failures
     assert backend.finished == [] and (f.steps_rewound, f.compute_redone) == (1, 1.0)
+
+
+def test_pause_with_a_hot_spare_recovers_without_waiting_for_a_new_slice():
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=60, spare_slices=1)
+    trainer, backend = run(config, steps=20, setup_s=5.0)
+    backend.fail_at[(6, 1)] = FailureKind.NODE_DIED
+    report = trainer.fit()
+    assert report.steps_completed == 20 and set(report.slices_per_step) == {2}
+    (f,) = report.failures
+    assert f.recovered_s < backend.setup_s  # the spare was ready: no set-up waited for
+    grow = next(e for e in report.events if e["event"] == "grow")
+    assert grow["joined"] == [2]  # the spare took slice 1's place
+    assert backend.started.count(1) == 2  # slice 1's replacement: the next spare
+    start = next(e for e in report.events if e["event"] == "start")
+    assert start["slices"] == [0, 1] and start["spares"] == [2]
+
+
+def test_spares_never_train_beyond_num_slices():
+    trainer, backend = run(ElasticConfig(num_slices=2, spare_slices=2), steps=10)
+    report = trainer.fit()
+    assert set(report.slices_per_step) == {2}
+    assert all(len(sl) == 2 for _, sl in backend.steps_run)

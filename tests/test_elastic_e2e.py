@@ -243,3 +243,23 @@ def test_invalid_config_fails_before_reserving(cluster, lm_factory):
     with pytest.raises(ConfigError, match="steps"):
         ElasticTrainer(lm_factory, ElasticConfig(num_slices=2), 0)
     assert len(ray.util.placement_group_table()) == before
+
+
+def test_pause_with_a_hot_spare_takes_the_failed_slices_place(nodes, lm_factory, baseline):
+    """A spare, set up ahead, joins at once; the failed slice's replacement
+    comes up behind it as the next spare; the run stays bitwise exact."""
+    nodes(3)
+    config = ElasticConfig(num_slices=2, policy="pause", spare_slices=1, timeout_s=120.0)
+    trainer, report = _run(lm_factory, config, faults=(Fault("kill", 1, FAIL_AT),))
+    f = _common_checks(report, "process_died")
+    names = [e["event"] for e in report.events]
+    start = report.events[names.index("start")]
+    assert start["slices"] == [0, 1] and start["spares"] == [2]
+    grow = next(e for e in report.events if e["event"] == "grow")
+    assert grow["joined"] == [2]
+    # The spare joined before slice 1's replacement was even set up.
+    later_ready = [e for e in report.events if e["event"] == "slice_ready" and e["slice"] == 1 and e["t"] > start["t"]]
+    assert not later_ready or later_ready[0]["t"] > grow["t"]
+    assert set(report.slices_per_step) == {2} and report.spare_slices == 1
+    assert f.recovered_s is not None
+    _assert_bitwise_equal(trainer.final_state, baseline)
