@@ -40,7 +40,7 @@ import tempfile
 import time
 from typing import Callable, Optional, Sequence
 
-from bench.common import ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
+from bench.common import ExternalNodes, ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
 
 SYSTEMS = ("ray_elastic-pause", "ray_elastic-pause-spare", "ray_elastic-resize", "raytrain", "raytrain-elastic",
            "full-restart")
@@ -151,6 +151,72 @@ def _degraded(points: list[tuple], full: int, after_t: Optional[float]) -> dict:
             "step_time_s": round(statistics.median(deg_d), 5)}
 
 
+RATE_WINDOW = 10  # steps: one checkpoint period, so a periodic stall is in every window as in the reference
+RATE_SHARE = 0.9
+RATE_SKIP = 5  # warm-up steps left out of the reference rate
+
+
+def _frontier(timeline: list) -> list[tuple[float, int]]:
+    """(t, step) of the completions that are new progress: a step above
+    every step completed before it (redone steps are not progress)."""
+    out, top = [], 0
+    for t, s in sorted(((float(t), int(s)) for t, s in timeline), key=lambda x: x[0]):
+        if s > top:
+            top = s
+            out.append((t, s))
+    return out
+
+
+def user_recovery(timeline: list, fault_t: Optional[float], degraded_ratio: Optional[float] = None,
+                  window: int = RATE_WINDOW, share: float = RATE_SHARE) -> dict:
+    """Recovery as users feel it (bench/README.md defines it):
+
+    - reference rate: the run's own failure-free rate, new steps per second
+      from step RATE_SKIP to the last step completed before the fault; times
+      the throughput-while-degraded ratio when that is below 1 (a system
+      that trains on at a lower rate is back once it runs at that rate);
+    - rate_recovered_s: fault to the completion of the first new step after
+      it from which the next `window` new steps run at >= `share` of the
+      reference rate;
+    - lost_s: the steps a failure-free run makes at the failure-free rate
+      from the fault to that moment, minus the new steps made, times the
+      failure-free step time; lost_end_s: the same to the end of the run
+      (the degraded stretch and any later grow-back included).
+    """
+    front = _frontier(timeline or [])
+    if fault_t is None or not front:
+        return {}
+    pre = [(t, s) for t, s in front if t <= fault_t and s >= RATE_SKIP]
+    if len(pre) < 2 or pre[-1][0] <= pre[0][0]:
+        return {}
+    pre_rate = (pre[-1][1] - pre[0][1]) / (pre[-1][0] - pre[0][0])
+    ref = pre_rate * min(1.0, degraded_ratio) if degraded_ratio else pre_rate
+    s_f = max((s for t, s in front if t <= fault_t), default=0)
+    post = [(t, s) for t, s in front if t > fault_t]
+    out = {"pre_rate": round(pre_rate, 3), "ref_rate": round(ref, 3), "window": window, "share": share,
+           "rate_recovered_s": None, "lost_s": None, "lost_end_s": None}
+    if post:
+        t_end, s_end = post[-1]
+        out["lost_end_s"] = round((t_end - fault_t) - (s_end - s_f) / pre_rate, 3)
+    for i in range(len(post) - window):
+        (ta, sa), (tb, sb) = post[i], post[i + window]
+        if tb > ta and (sb - sa) / (tb - ta) >= share * ref:
+            out["rate_recovered_s"] = round(ta - fault_t, 4)
+            out["lost_s"] = round((ta - fault_t) - (sa - s_f) / pre_rate, 3)
+            break
+    return out
+
+
+def _add_user_recovery(r: dict) -> dict:
+    ratio = (r.get("degraded") or {}).get("ratio")
+    u = user_recovery(r.get("timeline") or [], r.get("fault_t"), ratio)
+    r["rate"] = u
+    r["rate_recovered_s"] = u.get("rate_recovered_s")
+    r["lost_s"] = u.get("lost_s")
+    r["lost_end_s"] = u.get("lost_end_s")
+    return r
+
+
 # --------------------------------------------------------------------------
 # ray_elastic runs.
 # --------------------------------------------------------------------------
@@ -170,6 +236,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
     factory = factory or lm_factory()
     rec = _recorder()
     state: dict = {"added": False, "stopped": []}
+    ext = ExternalNodes(cluster)
     faults = () if scenario in ("preempt", "none") else (Fault(scenario, 1, fail_at),)
     ckpt_dir = None
     checkpoint = None
@@ -185,14 +252,13 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
         ev = e["event"]
         if ev == "fault" and scenario == "stop":
             state["stopped"].append(trainer.hosts(e["slice"])[e.get("host", 0)]["pid"])
-        if scenario == "remove_node" and not state["added"]:
-            # The replacement node comes once the run has noticed the loss:
-            # while it waits (pause) or once it trains on (resize, or pause
-            # with a spare: add_node blocks this thread, which would hold up
-            # the spare's join).
-            if ev == ("wait" if policy == "pause" and not spare_slices else "recovered"):
-                state["added"] = True
-                cluster.add_node()
+        if scenario == "remove_node" and not state["added"] and ev == "detected":
+            # The replacement node comes once the run has noticed the loss
+            # (and queued the replacement an autoscaler would see), started
+            # as its own `ray start` process from a background thread: the
+            # controller's thread is not held up.
+            state["added"] = True
+            ext.add()
         if scenario == "preempt" and ev in ("shrink", "wait") and state.get("drained") in cluster.nodes:
             cluster.remove_node(state["drained"])  # the system has left it: the cloud takes it
 
@@ -224,6 +290,9 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
             _kill_if_stopped(pid)
         if state.get("drained") in cluster.nodes:
             cluster.remove_node(state["drained"])
+        if ext.procs or ext.threads:
+            state["external_nodes"] = len(ext.procs)
+            ext.stop_all()
         if ckpt_dir:
             shutil.rmtree(ckpt_dir, ignore_errors=True)
     events = report.events
@@ -278,7 +347,9 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
     points = [(kept_t.get(i + 1, 0.0), i + 1, n, d)
               for i, (n, d) in enumerate(zip(report.slices_per_step, report.step_times))]
     out["degraded"] = _degraded(points, num_slices, out["fault_t"])
-    return out
+    if state.get("external_nodes"):
+        out["settings"]["replacement_node"] = "ray start process, background thread, at detection"
+    return _add_user_recovery(out)
 
 
 def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
@@ -517,6 +588,7 @@ def run_peer(cluster, system: str, scenario: str, steps: int, fail_at: int, log=
                          elastic=system == "raytrain-elastic", hang_timeout_s=HANG_TIMEOUT_S,
                          preempt_deadline_s=PREEMPT_DEADLINE_S, time_limit_s=300.0)
     r["degraded"] = _degraded(_peer_points(r), 2, r.get("fault_t"))
+    _add_user_recovery(r)
     if r.get("workdir"):
         shutil.rmtree(r["workdir"], ignore_errors=True)
     return r
@@ -537,6 +609,9 @@ def _cell(system: str, scenario: str, runs: list[dict]) -> dict:
         "errors": [r["error"] for r in runs if r.get("error")],
         "detected_s": summary([r.get("detected_s") for r in runs]),
         "recovered_s": summary([r.get("recovered_s") for r in runs]),
+        "rate_recovered_s": summary([r.get("rate_recovered_s") for r in runs]),
+        "lost_s": summary([r.get("lost_s") for r in runs]),
+        "lost_end_s": summary([r.get("lost_end_s") for r in runs]),
         "steps_rewound": summary([r.get("steps_rewound") for r in runs]),
         "degraded_ratio": summary([x for x in ratios if x is not None]),
         "degraded_steps": summary([r["degraded"]["steps"] for r in runs if r.get("degraded")]),
@@ -760,15 +835,15 @@ def tables(result: dict) -> str:
         f"### Recovery from one fault (2 slices/workers of 1 host; {st['steps']} steps, fault at step "
         f"{st['fail_at']}; median [min–max] over the runs)",
         "",
-        "| system | scenario | runs | detection (s) | fault → next step (s) | steps redone "
-        "| throughput while degraded | goodput |",
-        "|---|---|---:|---:|---:|---:|---|---:|",
+        "| system | scenario | runs | detection (s) | fault → next step (s) | fault → rate back (s) "
+        "| time lost (s) | time lost by the end (s) | steps redone | throughput while degraded | goodput |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|",
     ]
     for c in result["cells"]:
         if c["scenario"] == "chaos":
             continue
         if c["status"] != "ok":
-            lines.append(f"| {c['system']} | {c['scenario']} | — | {c['reason']} | | | | |")
+            lines.append(f"| {c['system']} | {c['scenario']} | — | {c['reason']} | | | | | | | |")
             continue
         dr = c["degraded_ratio"]
         if dr.get("n"):
@@ -780,9 +855,15 @@ def tables(result: dict) -> str:
         err = f" ⚠ {len(c['errors'])} run(s) failed" if c["errors"] else ""
         lines.append(
             f"| {c['system']} | {c['scenario']} | {c['runs']}{err} | {_fmt(c['detected_s'], '.3f')} "
-            f"| {_fmt(c['recovered_s'], '.3f')} | {_fmt(c['steps_rewound'], '.0f')} | {deg} "
+            f"| {_fmt(c['recovered_s'], '.3f')} | {_fmt(c.get('rate_recovered_s'), '.3f')} "
+            f"| {_fmt(c.get('lost_s'), '.2f')} | {_fmt(c.get('lost_end_s'), '.2f')} "
+            f"| {_fmt(c['steps_rewound'], '.0f')} | {deg} "
             f"| {_fmt(c['goodput'], '.0%')} |"
         )
+    lines += ["", f"Fault → rate back: to the first new step after the fault from which the next {RATE_WINDOW} "
+                  f"new steps run at ≥ {RATE_SHARE:.0%} of the run's failure-free rate (steps {RATE_SKIP} → fault; "
+                  "times the degraded ratio when below 1). Time lost: (time from the fault to that moment) − "
+                  "(new steps made meanwhile × failure-free step time); by the end: the same to the run's last step."]
     if result.get("not_run"):
         lines += ["", "Not run in this mode: " + ", ".join(
             f"{c['system']}/{c['scenario']}" for c in result["not_run"]) + "."]
