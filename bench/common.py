@@ -81,3 +81,71 @@ def idle_cpu_load():
     finally:
         proc.kill()
         proc.wait()
+
+
+class ExternalNodes:
+    """Replacement nodes started as separate processes (`ray start --block`
+    with the resources a LocalCluster node has), from any thread, as an
+    autoscaler adds them: `Cluster.add_node` must run on the main thread,
+    which for ray_elastic is the controller's, so adding a node there
+    stalls training. Each node is its own process group, stopped by pid
+    (`stop_all`), and waited for until Ray has it dead, so the next run
+    does not place anything on it."""
+
+    def __init__(self, cluster):
+        self.address = cluster.address
+        self.cpus = getattr(cluster, "_cpus", 1)
+        self.store = getattr(cluster, "_store", 200 * 1024 * 1024)
+        self.procs: list = []  # (Popen, node name)
+        self.threads: list = []
+        self.started_at: list = []
+
+    def add(self) -> None:
+        """Start a node now, without waiting for it (a background thread)."""
+        import threading
+        import time
+        import uuid
+
+        name = f"bench-ext-{uuid.uuid4().hex[:8]}"
+        self.started_at.append(time.monotonic())
+
+        def go():
+            cmd = ["ray", "start", "--block", f"--address={self.address}", f"--num-cpus={self.cpus}",
+                   f"--object-store-memory={self.store}", f"--node-name={name}", "--disable-usage-stats"]
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    start_new_session=True)
+            self.procs.append((proc, name))
+
+        t = threading.Thread(target=go, daemon=True, name="bench-add-node")
+        t.start()
+        self.threads.append(t)
+
+    def node_ids(self) -> list[str]:
+        import ray
+
+        names = {n for _, n in self.procs}
+        return [x["NodeID"] for x in ray.nodes() if x.get("NodeName") in names and x["Alive"]]
+
+    def stop_all(self, wait_s: float = 20.0) -> None:
+        import signal
+        import time
+
+        import ray
+
+        for t in self.threads:
+            t.join(timeout=30)
+        names = {n for _, n in self.procs}
+        for proc, _ in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # the node's group: ray start, raylet, its workers
+                except ProcessLookupError:
+                    pass
+            proc.wait(timeout=30)
+        deadline = time.monotonic() + wait_s
+        while names and time.monotonic() < deadline:
+            if not any(x["Alive"] for x in ray.nodes() if x.get("NodeName") in names):
+                break
+            time.sleep(0.2)
+        self.procs.clear()
+        self.threads.clear()
