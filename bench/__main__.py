@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -14,7 +14,10 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - soak: a long chaos run per policy (six fault kinds, one every 20-60 s) on
   Ray's default health checks with checkpoints on a GCS-compatible server,
   then a failure-free reference: every failure recovered, final state
-  bitwise equal (`--minutes`, `--policy pause|resize|both`).
+  bitwise equal (`--minutes`, `--policy pause|resize|both`);
+- ready: a replacement worker's placement to ready, per phase (process
+  start, imports, JAX init, program, initial state, compile, first state
+  load), `--runs` replacements per variant.
 """
 
 from __future__ import annotations
@@ -34,10 +37,12 @@ def _csv(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak"))
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
-    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3)")
+    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5)")
+    parser.add_argument("--variants", type=_csv, default=None,
+                        help="ready: comma-separated subset of variants (default all)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
     parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size; soak: steps per run (skips the warm-up)")
@@ -78,6 +83,26 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "core.json"), "w") as f:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.out, "core.md"), "w") as f:
+            f.write(text + "\n")
+        return 0
+
+    if args.suite == "ready":
+        from bench import ready
+
+        variants = args.variants or list(ready.VARIANTS)
+        bad = [v for v in variants if v not in ready.VARIANTS]
+        if bad:
+            parser.error(f"unknown variant(s) {bad}; choose from {', '.join(ready.VARIANTS)}")
+        cluster = start_cluster(1)
+        try:
+            result = ready.run(runs=args.runs or 5, variants=variants)
+        finally:
+            cluster.shutdown()
+        text = ready.table(result)
+        print(text)
+        with open(os.path.join(args.out, "ready.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "ready.md"), "w") as f:
             f.write(text + "\n")
         return 0
 

@@ -18,6 +18,10 @@ class SliceUp:
 
     slice_id: int
     setup_s: float
+    # Seconds per part of setup_s (process_start, actor_load, queue,
+    # imports, jax_init, program_build, initial_state, compile, report:
+    # see SliceWorker._phases); empty where the backend does not time them.
+    phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 class SliceBackend(Protocol):

@@ -66,7 +66,8 @@ class Membership:
         for up in self.backend.poll(block_s):
             self.coming.discard(up.slice_id)
             self.ready.add(up.slice_id)
-            self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s)
+            extra = {"phases": dict(up.phases)} if getattr(up, "phases", None) else {}
+            self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s, **extra)
 
     def lose(self, slice_id: int) -> None:
         """A live slice failed: tear it down and queue its replacement."""

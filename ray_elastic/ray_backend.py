@@ -71,7 +71,7 @@ class RayBackend:
             if live is not None:
                 del self._coming[s]
                 self._up[s] = live
-                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3)))
+                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3), dict(getattr(live, "phases", None) or {})))
         return up
 
     def _restart(self, s: int, e: BaseException) -> None:

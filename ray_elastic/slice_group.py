@@ -33,6 +33,10 @@ class LiveSlice:
     workers: list  # actor handles, host order
     infos: list[dict]  # pid, node_id, ip per host
     ready_at: float = 0.0
+    # Seconds per readiness phase (host 0's, the slowest host's where they
+    # differ: the largest per phase), plus `report`: the last worker's
+    # set-up done to the driver seeing it.
+    phases: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -114,9 +118,10 @@ class RaySlices:
         """Queue a slice's workers; they start once its group is placed."""
         pg = self._placement_group(slice_id)
         hosts = len(self.spec.bundles())
+        created_at = time.time()  # wall clock: the workers time their phases from it
         workers = [
             _RemoteWorker.options(**self._actor_options(pg, h)).remote(
-                slice_id, h, hosts, self._factory, self._seed, self._num_shards
+                slice_id, h, hosts, self._factory, self._seed, self._num_shards, created_at=created_at
             )
             for h in range(hosts)
         ]
@@ -142,8 +147,8 @@ class RaySlices:
                 ray.get(ref)
             return None
         infos = ray.get(p.info_refs)
-        ray.get(p.setup_refs)
-        return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic())
+        setups = ray.get(p.setup_refs)
+        return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic(), phases=_phases(setups))
 
     @staticmethod
     def kill(workers: list) -> None:
@@ -172,3 +177,17 @@ class RaySlices:
             except Exception:
                 pass
         self._pgs.clear()
+
+
+def _phases(setups: list) -> dict:
+    """The slice's readiness phases from its hosts' set-up results: per
+    phase the largest over the hosts, and `report` (the last host done to
+    now, on the wall clock)."""
+    out: dict = {}
+    for r in setups:
+        for k, v in (r or {}).get("phases", {}).items():
+            out[k] = max(out.get(k, v), v)
+    done = [r["ready_at"] for r in setups if r and "ready_at" in r]
+    if done:
+        out["report"] = round(time.time() - max(done), 4)
+    return out

@@ -31,6 +31,12 @@ from ray_elastic.program import TrainProgram
 
 __all__ = ["SliceWorker"]
 
+_MODULE_AT = time.time()  # this module imported: the actor's class loaded
+# RAY_ELASTIC_EAGER_SETUP=1 (in the workers' environment): set-up as it was
+# before readiness was cut down (the step-0 state made in set-up, snapshots
+# unflattened by jax); `python -m bench ready` measures both.
+_EAGER_SETUP = os.environ.get("RAY_ELASTIC_EAGER_SETUP", "") == "1"
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -49,7 +55,14 @@ class SliceWorker:
         program_factory: Callable[[], TrainProgram],
         seed: int,
         num_shards: int,
+        created_at: Optional[float] = None,
     ):
+        # Readiness phases (wall clock, time.time(), comparable with the
+        # driver's on one machine and to NTP's precision across machines):
+        # the driver's actor creation, this process's start, the start of
+        # this constructor (the class and its module loaded).
+        self._init_at = time.time()
+        self._created_at = created_at
         self.slice_id = slice_id
         self.host = host
         self.hosts = hosts
@@ -62,6 +75,8 @@ class SliceWorker:
         # actor thread: the lock keeps `apply` from replacing the state
         # while it is being copied.
         self._state_lock = threading.Lock()
+        self._init_lock = threading.Lock()
+        self.params = self.opt_state = None
         # A preemption notice to this process (SIGTERM from the node's
         # shutdown, a kubelet, a spot reclaim): finish the step in hand and
         # tell the controller, which checkpoints and retires the slice at
@@ -94,9 +109,16 @@ class SliceWorker:
         return f"{ray.util.get_node_ip_address()}:{_free_port()}"
 
     def setup(self, coordinator: Optional[str], compile_cache_dir: str = "") -> dict:
-        """Start JAX, build the program, compile the step, make step-0 state."""
+        """Start JAX, build the program, compile the step, make step-0 state.
+
+        Returns setup_s and `phases`: seconds per part of the way from the
+        actor's creation to ready (see `_phases`)."""
         t0 = time.perf_counter()
+        marks = [("setup_start", time.time())]
         import jax
+        import optax
+
+        marks.append(("imports", time.time()))
 
         if compile_cache_dir:
             jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
@@ -110,11 +132,12 @@ class SliceWorker:
             jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-        import optax
-
+        devices = jax.devices()  # starts the backend
+        marks.append(("jax_init", time.time()))
         self._jax = jax
         self.program = program = self._factory()
-        self.mesh = Mesh(np.array(jax.devices()), ("data",))
+        marks.append(("program_build", time.time()))
+        self.mesh = Mesh(np.array(devices), ("data",))
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
         self._batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
 
@@ -125,10 +148,28 @@ class SliceWorker:
             updates, opt_state = program.optimizer.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
-        params = jax.jit(program.init_params, out_shardings=self._replicated)(
-            jax.random.PRNGKey(self._seed)
-        )
-        opt_state = jax.jit(program.optimizer.init, out_shardings=self._replicated)(params)
+        # The step-0 state is made when first needed (`_ensure_state`), not
+        # here: a replacement loads the live state at once, so making it
+        # would be wasted; the step is compiled against its shapes.
+        # Lowered once (traced once: a program may cache what its init
+        # traces), compiled and run only when the state is needed.
+        rng = jax.random.PRNGKey(self._seed)
+        init_params = jax.jit(program.init_params, out_shardings=self._replicated).lower(rng)
+        p_shape = init_params.out_info
+        p_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), p_shape)
+        init_opt = jax.jit(program.optimizer.init, out_shardings=self._replicated).lower(p_spec)
+        o_shape = init_opt.out_info
+        self._init_fns = (init_params, init_opt, rng)
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)  # noqa: E731
+        params, opt_state = jax.tree.map(spec, p_shape), jax.tree.map(spec, o_shape)
+        self._template = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p_shape),
+                          "opt_state": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), o_shape)}
+        self.params = self.opt_state = None
+        self._step = 0
+        self._unravel = None
+        if _EAGER_SETUP:  # as before (the bench's reference): the state now, and jax's unravel
+            self._ensure_state()
+        marks.append(("initial_state", time.time()))
         sample = self._local_batch(0, 0)
         global_shape = {
             k: jax.ShapeDtypeStruct((v.shape[0] * self.hosts,) + v.shape[1:], v.dtype, sharding=self._batch_sharding)
@@ -146,15 +187,68 @@ class SliceWorker:
         )
         from jax.flatten_util import ravel_pytree
 
-        _, self._unravel = ravel_pytree((params, opt_state))
+        if _EAGER_SETUP:
+            _, self._unravel = ravel_pytree((self.params, self.opt_state))
         self._flatten = (
             jax.jit(lambda p, o: ravel_pytree((p, o))[0], out_shardings=self._replicated)
             .lower(params, opt_state)
             .compile()
         )
-        self.params, self.opt_state = params, opt_state
-        self._step = 0
-        return {"setup_s": time.perf_counter() - t0, "devices": len(jax.devices())}
+        marks.append(("compile", time.time()))
+        return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": self._phases(marks),
+                "ready_at": marks[-1][1]}
+
+    def _ensure_state(self) -> None:
+        """Make the step-0 state if no state is held yet (a slice that
+        starts the run; a replacement loads one instead)."""
+        with self._init_lock:
+            if self.params is None:
+                init_params, init_opt, rng = self._init_fns
+                params = init_params.compile()(rng)
+                self.opt_state = init_opt.compile()(params)
+                self.params = params
+
+    def _phases(self, marks: list) -> dict:
+        """Seconds per readiness phase, in order:
+
+        - process_start: the driver creating the actor to this process
+          existing (negative: Ray reused or prestarted the process);
+        - actor_load: the process existing (or the creation, if later) to
+          this module imported: Python and Ray's worker starting, the
+          actor's class loaded;
+        - args_load: the constructor's arguments unpickled (the program
+          factory: its module's imports, jax, flax and optax for the
+          example) to the constructor running;
+        - queue: the constructor to `setup` starting (the calls before it);
+        - imports: jax and optax (the program's own, e.g. flax, count in
+          program_build);
+        - jax_init: jax.distributed (multi-host slices) and the backend;
+        - program_build: the program factory;
+        - initial_state: the step-0 state's functions lowered (its shapes);
+          the state itself is compiled and made when first needed (with
+          RAY_ELASTIC_EAGER_SETUP=1, as before: here);
+        - compile: the step's functions (grad, update, flatten), ahead of
+          time, through the persistent compile cache when it is set.
+        """
+        out: dict = {}
+        try:
+            import psutil
+
+            proc_at = psutil.Process().create_time()
+        except Exception:  # noqa: BLE001 (psutil missing: one phase fewer)
+            proc_at = None
+        if self._created_at is not None:
+            start = self._created_at
+            if proc_at is not None:
+                out["process_start"] = round(proc_at - self._created_at, 4)
+                start = max(proc_at, self._created_at)
+            loaded = max(_MODULE_AT, start)
+            out["actor_load"] = round(loaded - start, 4)
+            out["args_load"] = round(self._init_at - loaded, 4)
+        out["queue"] = round(marks[0][1] - self._init_at, 4)
+        for (_, a), (name, b) in zip(marks, marks[1:]):
+            out[name] = round(b - a, 4)
+        return out
 
     # -- one step, in two phases -------------------------------------------
 
@@ -184,6 +278,7 @@ class SliceWorker:
         """
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked for {step}")
+        self._ensure_state()
         grads, losses = {}, {}
         for shard in shards:
             loss, g = self._grad(self.params, self._to_global_batch(self._local_batch(step, shard)))
@@ -222,6 +317,7 @@ class SliceWorker:
             return self._last_apply
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked to apply {step}")
+        self._ensure_state()
         total = reduce_pieces(self._jax.tree.map, None, parts)
         n = total["count"]
         mean = self._jax.tree.map(lambda a: _divided(a, n), total["sum"])
@@ -248,6 +344,7 @@ class SliceWorker:
     def flat_state(self) -> dict:
         """The state as one host buffer (a jitted ravel: one copy, not one
         per leaf); `load_state` takes it back."""
+        self._ensure_state()
         flat = self._flatten(self.params, self.opt_state)  # a fresh buffer: no copy needed
         return {"step": self._step, "flat": np.asarray(flat.addressable_data(0))}
 
@@ -258,6 +355,7 @@ class SliceWorker:
             return self._state()
 
     def _state(self) -> dict:
+        self._ensure_state()
         host = lambda a: np.array(a.addressable_data(0), copy=True)  # noqa: E731 (replicated)
         return {
             "step": self._step,
@@ -267,9 +365,15 @@ class SliceWorker:
 
     def load_state(self, state: dict) -> int:
         if "flat" in state:  # an in-memory snapshot
-            params, opt_state = self._unravel(state["flat"])
-            state = {"step": state["step"], "params": params, "opt_state": opt_state}
-        with self._state_lock:
+            if self._unravel is not None:
+                params, opt_state = self._unravel(state["flat"])
+                state = {"step": state["step"], "params": params, "opt_state": opt_state}
+            else:
+                # On the host, with numpy: jax's unravel runs one small
+                # device op per leaf, each compiled on first use, which in
+                # a new process costs more than the rest of the load.
+                state = dict(_unflatten(state["flat"], self._template), step=state["step"])
+        with self._state_lock, self._init_lock:
             self.params = self._jax.tree.map(self._replicate, state["params"])
             self.opt_state = self._jax.tree.map(self._replicate, state["opt_state"])
             self._step = int(state["step"])
@@ -278,14 +382,33 @@ class SliceWorker:
 
     def state_template(self) -> dict:
         """The state's tree of shapes and dtypes (for checkpoints)."""
-        spec = lambda a: self._jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
-        return {"params": self._jax.tree.map(spec, self.params), "opt_state": self._jax.tree.map(spec, self.opt_state)}
+        return self._template
 
     def held_step(self) -> int:
         return self._step
 
     def ping(self) -> bool:
         return True
+
+
+def _unflatten(flat, template: dict) -> dict:
+    """The state tree of a flat snapshot buffer (`ravel_pytree((params,
+    opt_state))`: that tuple's leaf order, each leaf cast back to its
+    dtype), as host arrays; ray_elastic.checkpoint's `unflatten` does the
+    same for checkpoints."""
+    import jax
+
+    leaves, treedef = jax.tree.flatten((template["params"], template["opt_state"]))
+    flat = np.asarray(flat)
+    out, offset = [], 0
+    for leaf in leaves:
+        n = int(np.prod(leaf.shape, dtype=np.int64))
+        out.append(flat[offset:offset + n].reshape(leaf.shape).astype(leaf.dtype))
+        offset += n
+    if offset != flat.shape[0]:
+        raise ValueError(f"snapshot has {flat.shape[0]} values, the state needs {offset}")
+    params, opt_state = jax.tree.unflatten(treedef, out)
+    return {"params": params, "opt_state": opt_state}
 
 
 def _pieces(part: dict) -> list[tuple[int, Any, int]]:

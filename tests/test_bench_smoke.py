@@ -46,8 +46,17 @@ def test_compare_tiny(cluster, nodes, lm_factory, tmp_path):
     assert 0 < run["goodput"] <= 1
     assert run["timeline"] and run["timeline"][-1][1] == 24
     assert [m["event"] for m in run["markers"]][:2] == ["fault", "detected"]
+    # Recovery as users feel it: the rate back, and the time lost.
+    for key in ("rate_recovered_s", "lost_s", "lost_end_s", "rate"):
+        assert key in run, key
+    assert run["rate"]["pre_rate"] > 0 and run["lost_end_s"] is not None
+    if run["rate_recovered_s"] is not None:  # None when a loaded machine never gets back to 90%
+        assert run["rate_recovered_s"] >= run["recovered_s"] - 0.05
+        assert run["lost_s"] is not None
     (cell,) = [c for c in data["cells"] if c["status"] == "ok"]
     assert cell["recovered_s"]["n"] == 1 and cell["recovered_s"]["median"] > 0
+    for key in ("rate_recovered_s", "lost_s", "lost_end_s"):
+        assert key in cell, key
     assert data["goals"]["steps_redone"] == {"max": 0, "n": 1, "met": True}
 
     with open(files["md"]) as f:
@@ -55,6 +64,7 @@ def test_compare_tiny(cluster, nodes, lm_factory, tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| ray_elastic-resize | kill |")]
     assert len(rows) == 1 and "n/a" not in rows[0]
     assert "| system | scenario | runs | detection (s) |" in md
+    assert "| fault → rate back (s) | time lost (s) | time lost by the end (s) |" in md
     assert "### Goals" in md
     for name in data["files"]["png"]:
         _png(os.path.join(tmp_path, name))
@@ -89,3 +99,19 @@ def test_fake_slices_failure_is_actor_died(cluster):
 
     with pytest.raises(rex.ActorDiedError):
         ray.get(dead_ref(), timeout=30)
+
+
+def test_ready_tiny(cluster, nodes, lm_factory):
+    """`python -m bench ready`: every phase of a replacement's way to ready
+    is measured, and they add up to about the whole."""
+    from bench import ready
+
+    nodes(1)
+    result = ready.run(runs=1, variants=("default",), factory=lm_factory, log=lambda *a: None)
+    med = result["variants"]["default"]["median"]
+    for key in ready.PHASES + ("ready", "ready_and_state"):
+        assert key in med, key
+    assert med["compile"] > 0 and med["first_state"] > 0 and med["ready"] > 0
+    parts = sum(med[k] for k in ready.PHASES if k not in ("first_state", "process_start"))
+    assert parts <= med["ready"] + 0.5
+    assert "placement → ready" in ready.table(result)

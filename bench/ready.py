@@ -1,0 +1,139 @@
+"""How long a replacement takes from its placement to ready, per phase
+(`python -m bench ready [--runs N] [--out DIR]`).
+
+A replacement is what the controller queues when a slice's worker dies: new
+worker actors on the slice's placement group (whose bundle is free again)
+that start, import JAX, start its backend, build the program, make the
+step-0 state, compile the step (through the persistent compile cache), and,
+once the controller joins them at a step boundary, load the live state.
+This bench does exactly that, `--runs` times per variant, with the
+provisioner the controller uses (`RaySlices`) on a one-node local cluster:
+start slice 0, wait for it, load a snapshot of the state into it (the
+first state load), kill its worker, start it again. The first start of
+each variant (a cold compile cache, a new placement group) is left out of
+the medians.
+
+Phases (seconds, `SliceWorker._phases`): process_start, actor_load, queue,
+imports, jax_init, program_build, initial_state, compile, report (set-up
+done to the driver seeing it; this bench polls every 20 ms), then
+first_state (`load_state` of the snapshot, round trip from the driver).
+`ready` is placement to set-up seen by the driver (SliceUp.setup_s), and
+`ready + first_state` the whole way to a slice that can train.
+
+Variants, run in turn (round robin, so they share the machine's load):
+- `default`: what the controller does (the compile cache on);
+- `no_cache`: compile_cache_dir="" (every compile from scratch);
+- `before`: the default with `RAY_ELASTIC_EAGER_SETUP=1` in the workers'
+  environment: set-up as it was before it was cut down (the step-0 state
+  made and the snapshot unflattener built in set-up, snapshots unflattened
+  by jax's per-leaf device ops).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+from bench.common import lm_factory
+
+PHASES = ("process_start", "actor_load", "args_load", "queue", "imports", "jax_init", "program_build", "initial_state",
+          "compile", "report", "first_state")
+VARIANTS = ("before", "default", "no_cache")
+TARGET_S = 3.0
+
+
+def _variant_slices(variant: str, factory, cache_dir: str):
+    from ray_elastic.config import CpuSlice
+    from ray_elastic.slice_group import RaySlices
+
+    spec = CpuSlice()
+    if variant == "before":
+        env = dict(spec.worker_env(), RAY_ELASTIC_EAGER_SETUP="1")
+
+        class _Spec(CpuSlice):
+            def worker_env(self):
+                return env
+
+        spec = _Spec()
+    return RaySlices(spec, factory, seed=0, num_shards=2, run_name=f"bench-ready-{variant}-{os.getpid()}",
+                     compile_cache_dir="" if variant == "no_cache" else cache_dir)
+
+
+def _one(slices, snapshot=None, timeout_s: float = 300.0) -> dict:
+    import ray
+
+    p = slices.start(0)
+    deadline = time.monotonic() + timeout_s
+    live = None
+    while live is None:
+        live = slices.poll(p)
+        if live is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the slice did not come up")
+            time.sleep(0.02)
+    row = dict(live.phases)
+    row["ready"] = round(live.ready_at - p.started_at, 4)
+    w = live.workers[0]
+    if snapshot is None:
+        snapshot = ray.put(ray.get(w.flat_state.remote()))
+    t0 = time.monotonic()
+    ray.get(w.load_state.remote(snapshot))
+    row["first_state"] = round(time.monotonic() - t0, 4)
+    row["ready_and_state"] = round(row["ready"] + row["first_state"], 4)
+    slices.kill(live.workers)
+    return row, snapshot
+
+
+def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
+    factory = factory or lm_factory()
+    cache_dir = tempfile.mkdtemp(prefix="bench-ready-xla-")
+    slices = {v: _variant_slices(v, factory, cache_dir) for v in variants}
+    rows: dict = {v: [] for v in variants}
+    snaps: dict = {}
+    try:
+        for i in range(runs + 1):  # run 0: the cold start, left out
+            for v in variants:
+                row, snaps[v] = _one(slices[v], snaps.get(v))
+                row["run"] = i
+                rows[v].append(row)
+                log(f"  {v} #{i}: ready {row['ready']:.2f} s + first state {row['first_state']:.2f} s  "
+                    + " ".join(f"{k}={row[k]:.2f}" for k in PHASES[:-1] if k in row))
+    finally:
+        for s in slices.values():
+            s.shutdown()
+    out = {"runs": runs, "variants": {}, "target_s": TARGET_S, "cpus": os.cpu_count(),
+           "load_avg": os.getloadavg()}
+    for v in variants:
+        warm = [r for r in rows[v] if r["run"] > 0] or rows[v]
+        med = {}
+        for k in PHASES + ("ready", "ready_and_state"):
+            vals = [r[k] for r in warm if k in r]
+            if vals:
+                med[k] = round(statistics.median(vals), 4)
+        out["variants"][v] = {"median": med, "rows": rows[v]}
+    return out
+
+
+def table(result: dict) -> str:
+    vs = list(result["variants"])
+    lines = [
+        f"### Replacement readiness: placement → ready, per phase (median of {result['runs']} warm "
+        f"replacements per variant, the cold first start left out; load average "
+        f"{result['load_avg'][0]:.1f} on {result['cpus']} CPUs)",
+        "",
+        "| phase (s) | " + " | ".join(vs) + " |",
+        "|---|" + "---:|" * len(vs),
+    ]
+    for k in PHASES + ("ready", "ready_and_state"):
+        cells = [result["variants"][v]["median"].get(k) for v in vs]
+        name = {"ready": "**placement → ready** (SliceUp.setup_s)",
+                "ready_and_state": "**placement → ready + first state**"}.get(k, k)
+        lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
+    d = result["variants"].get("default", {}).get("median", {})
+    if d.get("ready_and_state") is not None:
+        met = d["ready_and_state"] <= result["target_s"]
+        lines += ["", f"Target: ≤ {result['target_s']:.0f} s placement → ready (+ first state): "
+                      f"{d['ready_and_state']:.2f} s, {'met' if met else 'NOT met'}."]
+    return "\n".join(lines)
