@@ -130,7 +130,8 @@ def main(argv=None) -> int:
             parser.error("--interval: MIN,MAX seconds, 0 < MIN <= MAX")
         policies = soak.POLICIES if args.policy == "both" else (args.policy,)
         result = soak.run(args.minutes, policies, seed=args.seed, interval_s=interval, kinds=kinds,
-                          steps=args.steps, reference=not args.no_reference, max_faults=args.max_faults)
+                          steps=args.steps, reference=not args.no_reference, max_faults=args.max_faults,
+                          partial_path=os.path.join(args.out, "soak.partial.json"))
         files = soak.write(result, args.out)
         print()
         print(soak.table(result))
