@@ -93,7 +93,7 @@ def main(argv=None) -> int:
         bad = [v for v in variants if v not in ready.VARIANTS]
         if bad:
             parser.error(f"unknown variant(s) {bad}; choose from {', '.join(ready.VARIANTS)}")
-        cluster = start_cluster(1)
+        cluster = start_cluster(len(variants))  # a node each: each variant keeps its placement group
         try:
             result = ready.run(runs=args.runs or 5, variants=variants)
         finally:

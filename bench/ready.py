@@ -7,7 +7,8 @@ that start, import JAX, start its backend, build the program, make the
 step-0 state, compile the step (through the persistent compile cache), and,
 once the controller joins them at a step boundary, load the live state.
 This bench does exactly that, `--runs` times per variant, with the
-provisioner the controller uses (`RaySlices`) on a one-node local cluster:
+provisioner the controller uses (`RaySlices`) on a local cluster with a
+1-CPU node per variant (each variant keeps its placement group):
 start slice 0, wait for it, load a snapshot of the state into it (the
 first state load), kill its worker, start it again. The first start of
 each variant (a cold compile cache, a new placement group) is left out of

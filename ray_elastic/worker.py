@@ -231,12 +231,7 @@ class SliceWorker:
           time, through the persistent compile cache when it is set.
         """
         out: dict = {}
-        try:
-            import psutil
-
-            proc_at = psutil.Process().create_time()
-        except Exception:  # noqa: BLE001 (psutil missing: one phase fewer)
-            proc_at = None
+        proc_at = _process_started_at()
         if self._created_at is not None:
             start = self._created_at
             if proc_at is not None:
@@ -389,6 +384,20 @@ class SliceWorker:
 
     def ping(self) -> bool:
         return True
+
+
+def _process_started_at() -> Optional[float]:
+    """This process's start on the wall clock, to the kernel's clock tick
+    (Linux: its start in ticks since boot, against CLOCK_BOOTTIME; psutil's
+    create_time rests on a boot time rounded to the second). None where
+    /proc is not there."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
 
 
 def _unflatten(flat, template: dict) -> dict:

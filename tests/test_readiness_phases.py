@@ -38,3 +38,16 @@ def test_slice_ready_event_carries_the_phases():
     assert events[1] == ("slice_ready", {"slice": 2, "setup_s": 2.0})  # the fields as before
     assert m.ready == {1, 2} and not m.coming
     assert SliceUp(3, 1.0).phases == {}
+
+
+def test_process_start_is_on_the_wall_clock():
+    import os
+
+    import pytest
+
+    from ray_elastic.worker import _process_started_at
+
+    if not os.path.exists("/proc/self/stat"):
+        pytest.skip("no /proc")
+    started = _process_started_at()
+    assert started is not None and 0 <= time.time() - started < 3600  # this test process's age
