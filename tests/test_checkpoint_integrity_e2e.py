@@ -30,6 +30,7 @@ def _leaves(state):
 @pytest.fixture(scope="module")
 def reference(cluster, lm_factory):
     """Failure-free, checkpoint-free run of 16 steps (pause, 2 slices)."""
+    cluster.ensure_nodes(2)  # an earlier module may have left fewer
     t = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), 16, keep_final_state=True)
     t.fit()
     return t.final_state
