@@ -350,8 +350,8 @@ class _Chaos:
 
         for pid in self.stopped:
             _kill_if_stopped(pid)
-        for node in list(self.frozen):
-            self.cluster.thaw_node(node)
+        # A node still frozen is left to LocalCluster.shutdown, which kills
+        # it: woken now, its stale processes would talk to a cluster going down.
 
 
 def run_chaos(cluster, policy: str, steps: int, *, per_step_s: float, ckpt_path: Optional[str],
@@ -679,7 +679,8 @@ def table(result: dict) -> str:
         sum(f["recovered_s"] is not None for f in r["failures"])))
     row("failures the run reported (unrecovered)", lambda r: f"{r['failures_recorded']} ({r['failures_unrecovered']})")
     row("failures not caused by the bench", lambda r: str(len(r["unexpected_failures"])))
-    row("steps redone, total (per fault)", lambda r: f"{r['steps_redone_total']} ({_fmt(r['steps_rewound'], '.0f')})")
+    row("steps redone, sum over the faults (completed steps rolled back)", lambda r: "{} ({})".format(
+        sum(f.get("steps_rewound") or 0 for f in r["failures"]), r["steps_redone_total"]))
     row("goodput, whole run", lambda r: _pct(r["goodput"]))
     row("goodput from the first step", lambda r: _pct(r["goodput_after_start"]))
     row("… less the bench's node changes in the driver's thread",
@@ -720,7 +721,8 @@ def write(result: dict, out: str) -> dict:
             timeline_png([{**r, "system": f"ray_elastic-{policy}", "scenario": "soak",
                            "detected_s": r["detected_s"].get("median"),
                            "recovered_s": r["recovered_s"].get("median"),
-                           "steps_rewound": r["steps_redone_total"]}], path, title=f"soak / {policy}")
+                           "steps_rewound": sum(f.get("steps_rewound") or 0 for f in r["failures"])}],
+                         path, title=f"soak / {policy}")
             files["png"].append(path)
     except Exception as e:  # noqa: BLE001 (a chart is not worth losing the figures)
         files["chart_error"] = str(e)
