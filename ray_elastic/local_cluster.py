@@ -71,7 +71,12 @@ class LocalCluster:
         return self.cluster.head_node.get_logs_dir_path()
 
     def add_node(self) -> str:
+        # Ray's Node installs its own SIGTERM handler in this process: keep
+        # the driver's (the trainer's graceful preempt-and-checkpoint one).
+        previous = signal.getsignal(signal.SIGTERM)
         node = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         self.nodes[node.node_id] = node
         return node.node_id
 
