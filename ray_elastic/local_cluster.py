@@ -53,7 +53,8 @@ class LocalCluster:
                 # A free port: another cluster on this machine may hold 8265.
                 "dashboard_port": _free_port(),
                 "object_store_memory": self._store,
-                "_system_config": FAST_FAILURE_DETECTION if health_checks == "tuned" else {},
+                # A copy: Ray adds its own keys to the dict it is given.
+                "_system_config": dict(FAST_FAILURE_DETECTION) if health_checks == "tuned" else {},
             },
         )
         self.nodes = {}
