@@ -659,10 +659,21 @@ HEALTH_CHECK_KEYS = (
 )
 
 
+@functools.lru_cache(maxsize=None)
 def _ray_config_defaults() -> dict[str, int]:
-    from ray._raylet import Config
+    """Ray's own defaults, read in a clean child process: this process's
+    RayConfig takes the settings of any cluster started in it (the tests'
+    LocalCluster sets tuned ones)."""
+    import subprocess
+    import sys
 
-    return {key: int(getattr(Config, key)()) for key in HEALTH_CHECK_KEYS}
+    code = (
+        "import json; from ray._raylet import Config; "
+        f"print(json.dumps({{k: int(getattr(Config, k)()) for k in {list(HEALTH_CHECK_KEYS)!r}}}))"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def health_check_problems(env: dict[str, Any], where: str) -> list[str]:
