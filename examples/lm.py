@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ray_elastic.layout import Layout
 from ray_elastic.program import TrainProgram
 
 __all__ = [
@@ -45,6 +46,13 @@ __all__ = [
     "generate_corpus",
     "make_optimizer",
     "make_program",
+    "param_logical_axes",
+    "sharded_layout",
+    "LARGE",
+    "Layout",
+    "MEDIUM",
+    "PRESETS",
+    "SHARDINGS",
 ]
 
 # --------------------------------------------------------------------------
@@ -336,9 +344,11 @@ def _model(config: LMConfig) -> LMModel:
 @functools.lru_cache(maxsize=8)
 def _jitted_init(config: LMConfig) -> Any:
     model = _model(config)
-    dummy = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
 
     def init(rng: Any) -> Any:
+        # Made inside: a closed-over array would become a constant input
+        # of every function that traces this one.
+        dummy = jnp.zeros((1, config.seq_len), dtype=jnp.int32)
         params = model.init(rng, dummy)["params"]
         return jax.tree_util.tree_map(lambda a: a.astype(jnp.float32), params)
 
@@ -387,11 +397,73 @@ def make_optimizer(config: LMConfig) -> optax.GradientTransformation:
     return adamw
 
 
-def make_program(config: LMConfig = LMConfig()) -> TrainProgram:
-    """The example LM as a TrainProgram (what `ray-elastic demo` trains)."""
+# --------------------------------------------------------------------------
+# Sharded layouts: Flax logical axis names per parameter, and MaxText-style
+# rules mapping them onto an in-slice mesh.
+# --------------------------------------------------------------------------
+
+# Larger presets, what the sharded layouts are for: medium about 3.2M
+# parameters (38 MB of params + Adam state), large about 25M (300 MB).
+MEDIUM = LMConfig(seq_len=64, d_model=256, num_layers=4, num_heads=8, mlp_dim=1024)
+LARGE = LMConfig(seq_len=128, d_model=512, num_layers=8, num_heads=8, mlp_dim=2048)
+PRESETS = {"small": LMConfig(), "medium": MEDIUM, "large": LARGE}
+
+# The logical names of each parameter's dimensions, by its path's last
+# names (Flax's Dense, MultiHeadDotProductAttention, Embed, LayerNorm).
+_LOGICAL = {
+    ("embedding",): ("vocab", "embed"),
+    ("pos_embed",): ("position", "embed"),
+    ("query", "kernel"): ("embed", "heads", "kv"), ("key", "kernel"): ("embed", "heads", "kv"),
+    ("value", "kernel"): ("embed", "heads", "kv"), ("out", "kernel"): ("heads", "kv", "embed"),
+    ("query", "bias"): ("heads", "kv"), ("key", "bias"): ("heads", "kv"),
+    ("value", "bias"): ("heads", "kv"), ("out", "bias"): ("embed",),
+    ("mlp_in", "kernel"): ("embed", "mlp"), ("mlp_in", "bias"): ("mlp",),
+    ("mlp_out", "kernel"): ("mlp", "embed"), ("mlp_out", "bias"): ("embed",),
+    ("head", "kernel"): ("embed", "vocab"), ("head", "bias"): ("vocab",),
+    ("scale",): ("norm",), ("bias",): ("norm",),  # LayerNorm: kept whole
+}
+
+# Logical name -> mesh axis. FSDP splits every weight along the model
+# dimension over the `fsdp` axis; with tensor parallelism the MLP and the
+# attention heads are also split over `tensor`. Names not listed (vocab,
+# position, kv, norm) stay whole.
+SHARDINGS = {
+    "fsdp": (("embed", "fsdp"),),
+    "fsdp_tp": (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor")),
+}
+
+
+def param_logical_axes(abstract_params: Any) -> Any:
+    """A PartitionSpec of Flax logical axis names for every parameter."""
+    from jax.sharding import PartitionSpec
+
+    def spec(path, leaf):
+        names = tuple(getattr(k, "key", str(k)) for k in path)
+        for n in (2, 1):
+            if names[-n:] in _LOGICAL:
+                return PartitionSpec(*_LOGICAL[names[-n:]])
+        raise ValueError(f"no logical axes for parameter {'/'.join(names)} {leaf.shape}")
+
+    return jax.tree_util.tree_map_with_path(spec, abstract_params)
+
+
+def sharded_layout(sharding: str, tensor_parallelism: int = 2) -> Layout:
+    """The example's layout for `sharding` ("fsdp" or "fsdp_tp"), in
+    MaxText's flags: fsdp over the devices left after tensor parallelism."""
+    if sharding not in SHARDINGS:
+        raise ValueError(f"unknown sharding {sharding!r}; use one of {sorted(SHARDINGS)}")
+    tp = tensor_parallelism if sharding == "fsdp_tp" else 1
+    return Layout.from_maxtext(ici_fsdp_parallelism=-1, ici_tensor_parallelism=tp,
+                               params=param_logical_axes, rules=SHARDINGS[sharding])
+
+
+def make_program(config: LMConfig = LMConfig(), layout: Layout = Layout()) -> TrainProgram:
+    """The example LM as a TrainProgram (what `ray-elastic demo` trains);
+    `layout`: how its state is laid out in a slice (default replicated)."""
     return TrainProgram(
         init_params=functools.partial(_init_params, config),
         loss_fn=functools.partial(_loss_fn, config),
         optimizer=make_optimizer(config),
         make_batch=functools.partial(_make_batch, config),
+        layout=layout,
     )

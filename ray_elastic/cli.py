@@ -77,7 +77,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     config = ElasticConfig(
         num_slices=args.slices,
-        slice=CpuSlice(hosts=args.hosts_per_slice),
+        slice=CpuSlice(hosts=args.hosts_per_slice, devices_per_host=args.devices_per_host),
         policy=args.policy,
         min_slices=1 if args.policy == "resize" else None,
         timeout_s=args.timeout,
@@ -93,7 +93,10 @@ def _demo(args: argparse.Namespace) -> int:
     # to ray_elastic.examples), so workers import it like any installed code.
     from ray_elastic.examples import lm
 
-    factory = functools.partial(lm.make_program, lm.LMConfig())
+    layout = lm.Layout() if args.sharding == "replicated" else lm.sharded_layout(args.sharding)
+    # The mesh must fit a slice's devices: checked before the cluster starts.
+    layout.plan(args.hosts_per_slice * args.devices_per_host)
+    factory = functools.partial(lm.make_program, lm.PRESETS[args.model], layout)
 
     num_nodes = (args.slices + args.spare_slices) * args.hosts_per_slice
     print(f"starting a local Ray cluster: head + {num_nodes} nodes", flush=True)
@@ -288,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="resize: train on the survivors at once; pause: wait for the replacement (default: %(default)s)")
     opt("--slices", type=int, default=2, help="slices, one simulated node per host (default: %(default)s)")
     opt("--hosts-per-slice", type=int, default=1, help="hosts (Ray nodes) in each slice (default: %(default)s)")
+    opt("--devices-per-host", type=int, default=1,
+        help="XLA CPU devices in each host's process (default: %(default)s)")
+    opt("--sharding", choices=("replicated", "fsdp", "fsdp_tp"), default="replicated",
+        help="the state's layout in a slice: replicated on every device, FSDP over all of them, or FSDP x "
+        "tensor parallel (2) (default: %(default)s)")
+    opt("--model", choices=("small", "medium", "large"), default="small",
+        help="the example LM's size: small 0.1M, medium 3.2M, large 25M parameters (default: %(default)s)")
     opt("--spare-slices", type=int, default=0,
         help="spare_slices: hot standby slices, started and compiled ahead, that take a failed slice's place "
         "(default: %(default)s)")

@@ -344,7 +344,8 @@ class ElasticTrainer:
         m = self.members
         self._preemption.record_step(result.metrics)
         for s, ref in result.snapshots.items():
-            self._snapshots.offer(k + 1, s, ref, m.backend.hosts(s)[0]["node_id"])
+            nodes = [h["node_id"] for h in m.backend.hosts(s)]
+            self._snapshots.offer(k + 1, s, ref, nodes if isinstance(ref, tuple) else nodes[0])
         if len(result.snapshots) == 1:
             # One live slice: no other failure domain holds the state until
             # the driver's pinned copy lands, so wait for it.

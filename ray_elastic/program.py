@@ -13,6 +13,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from ray_elastic.layout import Layout
+
 PyTree = Any
 Batch = Mapping[str, np.ndarray]
 
@@ -29,9 +31,12 @@ class TrainProgram:
     make_batch: (seed, step, shard, num_shards) -> numpy batch of that shard of
         the step's global batch. Must be pure: the same arguments give the
         same arrays on any host, at any time.
+    layout: how the state is laid out over a slice's devices (layout.py);
+        the default replicates it on every device.
     """
 
     init_params: Callable[[Any], PyTree]
     loss_fn: Callable[[PyTree, Batch], Any]
     optimizer: Any
     make_batch: Callable[[int, int, int, int], Batch]
+    layout: Layout = dataclasses.field(default_factory=Layout)

@@ -105,7 +105,10 @@ class RayBackend:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)
 
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
-        refs = [w.load_state.remote(source) for s in slices for w in self._up[s].workers]
+        # A tuple is a sharded state, one part per host: host i loads the
+        # part of host i of the slice it came from.
+        refs = [w.load_state.remote(source[h] if isinstance(source, tuple) else source)
+                for s in slices for h, w in enumerate(self._up[s].workers)]
         try:
             ray.get(refs, timeout=timeout_s)
         except rex.RayError as e:
@@ -125,9 +128,14 @@ class RayBackend:
         return self.locator.first_dead(cause, self._live(sorted(slices)), step)
 
     def state(self, slice_id: int) -> Any:
-        return self._up[slice_id].workers[0].state.remote()
+        sl = self._up[slice_id]
+        if sl.per_host:  # each host's own blocks, never gathered in one place
+            return tuple(w.state.remote() for w in sl.workers)
+        return sl.workers[0].state.remote()
 
     def fetch(self, ref: Any, timeout_s: Optional[float] = None) -> Any:
+        if isinstance(ref, tuple):  # a sharded state: one part per host
+            return ray.get(list(ref), timeout=timeout_s)
         return ray.get(ref, timeout=timeout_s)
 
     def attach_checkpoints(self, coordinator: Any, slice_id: int) -> None:

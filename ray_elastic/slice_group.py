@@ -37,6 +37,9 @@ class LiveSlice:
     # differ: the largest per phase), plus `report`: the last worker's
     # set-up done to the driver seeing it.
     phases: dict = dataclasses.field(default_factory=dict)
+    # A sharded layout: every host holds its own blocks of the state, and
+    # sends, snapshots and loads them itself (step_runner.senders).
+    per_host: bool = False
 
 
 @dataclasses.dataclass
@@ -148,7 +151,9 @@ class RaySlices:
             return None
         infos = ray.get(p.info_refs)
         setups = ray.get(p.setup_refs)
-        return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic(), phases=_phases(setups))
+        per_host = any(bool((r or {}).get("per_host")) for r in setups)
+        return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic(), phases=_phases(setups),
+                         per_host=per_host)
 
     @staticmethod
     def kill(workers: list) -> None:

@@ -7,6 +7,11 @@ the host-0 workers of two different slices, or, with one live slice, that
 slice plus a copy pinned by the driver on the head node (which is fated to
 the driver anyway). Losing one node or one whole slice then never loses the
 latest complete snapshot.
+
+Under a sharded layout a slice's copy is one part per host (a tuple of
+refs), on every node of the slice; it is usable only while all of them
+live. The driver never pins such a copy (it would hold the whole state):
+with one slice left, the newest committed checkpoint is the fallback.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ class _Pending:
     step: int
     needed: int
     refs: dict  # slice_id -> ObjectRef
-    nodes: dict = dataclasses.field(default_factory=dict)  # slice_id -> node holding the copy
+    nodes: dict = dataclasses.field(default_factory=dict)  # slice_id -> nodes holding the copy
     pinned: Optional[concurrent.futures.Future] = None
 
 
@@ -41,13 +46,15 @@ class SnapshotStore:
         """A snapshot of `step` is being taken by that many slices."""
         self._pending = _Pending(step, max(1, copies_from_slices), {})
 
-    def offer(self, step: int, slice_id: int, ref: Any, node_id: str = "") -> None:
+    def offer(self, step: int, slice_id: int, ref: Any, nodes: Any = "") -> None:
+        """A slice's copy of the snapshot of `step`; `nodes`: the node (or
+        nodes, one per part of a sharded copy) holding it."""
         p = self._pending
         if p is None or p.step != step:
             return
         p.refs[slice_id] = ref
-        p.nodes[slice_id] = node_id
-        if p.needed == 1 and p.pinned is None:
+        p.nodes[slice_id] = (nodes,) if isinstance(nodes, str) else tuple(nodes)
+        if p.needed == 1 and p.pinned is None and not isinstance(ref, tuple):
             # One slice only: pin a second copy next to the driver, off the
             # step loop's thread.
             p.pinned = self._pool.submit(self._fetch, ref)
@@ -80,7 +87,7 @@ class SnapshotStore:
         if c is None:
             return None
         for slice_id, ref in c.refs.items():
-            if node_alive(c.nodes.get(slice_id, "")):
+            if all(node_alive(n) for n in c.nodes.get(slice_id, ("",))):
                 return c.step, ref
         if self._pinned_value is not None:
             return c.step, self._pinned_value

@@ -1,11 +1,16 @@
 """The data plane: one training step on the live slices.
 
 Phase 1: every host computes the gradients of its slice's shards of the
-step's global batch; host 0 of each slice returns them as one object.
+step's global batch. With the state replicated in the slice, host 0 of
+each slice returns them as one object; with a sharded layout every host
+returns its own blocks, and each exchange below runs once per host index,
+among the hosts of that index (host i with host i: they hold the same
+blocks), so no process ever holds the whole gradient.
 Hand-off: up to APPLY_FAN_IN shards, every apply call takes those objects
 directly; above, they are summed in a tree of fan-in APPLY_FAN_IN on the
-slices' host-0 workers, level by level, so no call carries more than
-APPLY_FAN_IN refs and the driver's work stays linear in the slice count.
+slices' workers of that host index, level by level, so no call carries
+more than APPLY_FAN_IN refs and the driver's work stays linear in the
+slice count.
 The tree's shape depends only on the shard count, so the additions happen
 in the same order whichever slices are alive (a resized run stays bitwise
 equal to a failure-free one). Phase 2: every host applies the mean; the
@@ -27,7 +32,7 @@ from ray import exceptions as rex
 from ray_elastic.errors import FailureKind, SliceFailure
 from ray_elastic.failure_location import TRANSIENT, FailureLocator, failure, short
 
-__all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner"]
+__all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner", "senders"]
 
 APPLY_FAN_IN = 8
 # While a step runs, the nodes of the live slices are probed this often: a
@@ -35,10 +40,18 @@ APPLY_FAN_IN = 8
 NODE_PROBE_S = 0.25
 
 
+def senders(sl) -> int:
+    """How many hosts of a slice send gradients: every host under a sharded
+    layout (each holds other blocks), else host 0 (it holds them all)."""
+    return len(sl.workers) if getattr(sl, "per_host", False) else 1
+
+
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     metrics: dict  # (slice, host) -> the worker's step metrics (loss, notices)
-    snapshots: dict  # slice -> ref of the state it snapshotted after the step
+    # slice -> ref of the state it snapshotted after the step; under a
+    # sharded layout a tuple of refs, one per host (its own blocks).
+    snapshots: dict
 
     @property
     def loss(self) -> float:
@@ -54,7 +67,7 @@ class PartialStep:
 
     step: int
     assignment: dict  # slice -> its shards, as the step began
-    payloads: dict  # surviving slice -> its host 0's gradients (a ref)
+    payloads: dict  # surviving slice -> {sending host: its gradients (a ref)}
     pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 calls still running
 
 
@@ -116,13 +129,13 @@ class StepRunner:
 
     def _issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple]) -> tuple[list, dict]:
         """Phase-1 calls on every host of the slices in `shards_of`; the
-        payloads dict fills with each slice's host-0 gradients (a ref)."""
-        payloads: dict[int, Any] = {}
+        payloads dict fills with each slice's gradients: {sending host: ref}."""
+        payloads: dict[int, dict] = {}
 
         def grads_call(w, s: int, h: int):
             status, payload = w.compute_grads.options(num_returns=2).remote(k, shards_of[s])
-            if h == 0:
-                payloads[s] = payload  # a re-issued call replaces it
+            if h < senders(live[s]):
+                payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it
             return status
 
         issued = [
@@ -133,20 +146,28 @@ class StepRunner:
         return issued, payloads
 
     def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: "_Deadline") -> StepResult:
-        grad_refs = self._hand_off(k, live, holder, wait)
+        groups = senders(next(iter(live.values())))
+        grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
+                     for g in range(groups)}
 
         issued, snaps = [], {}
         for s, sl in sorted(live.items()):
+            per_host = senders(sl) > 1
+            parts = []
             for h, w in enumerate(sl.workers):
-                take = h == 0 and s in takers
+                # A sharded slice's hosts each snapshot their own blocks.
+                take = (h == 0 or per_host) and s in takers
+                refs = grad_refs[h if per_host else 0]
 
-                def call(w=w, take=take):
-                    return w.apply.options(num_returns=2).remote(k, take, *grad_refs)
+                def call(w=w, take=take, refs=refs):
+                    return w.apply.options(num_returns=2).remote(k, take, *refs)
 
                 m_ref, snap_ref = call()
                 if take:
-                    snaps[s] = snap_ref
+                    parts.append(snap_ref)
                 issued.append((s, h, m_ref, lambda call=call: call()[0]))
+            if parts:
+                snaps[s] = tuple(parts) if per_host else parts[0]
         return StepResult(self._gather(issued, k, wait, live), snaps)
 
     def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping, finished: Optional[set] = None) -> dict:
@@ -185,10 +206,11 @@ class StepRunner:
                     raise failure(kind, self.locator.blame(s, kind, live), h, k, short(e)) from None
         return out
 
-    def _hand_off(self, k: int, live: Mapping, holder: dict, wait: "_Deadline") -> list:
-        """The refs every slice's apply call takes (`holder`: shard -> the
-        phase-1 payload holding it): the payloads themselves up to `fan_in`
-        shards, else the top of the reduction tree over consecutive shards."""
+    def _hand_off(self, k: int, live: Mapping, holder: dict, wait: "_Deadline", host: int = 0) -> list:
+        """The refs the apply calls of host index `host` take (`holder`:
+        shard -> the phase-1 payload holding it): the payloads themselves up
+        to `fan_in` shards, else the top of the reduction tree over
+        consecutive shards, reduced on the slices' workers of that host."""
         nodes = [(shard, [holder[shard]]) for shard in sorted(holder)]  # (key, refs holding it)
         reducers = sorted(live)
         fan = self.fan_in
@@ -201,12 +223,12 @@ class StepRunner:
                 s = reducers[(j // fan) % len(reducers)]
                 box: list = []
 
-                def call(w=live[s].workers[0], keys=keys, refs=refs, box=box):
+                def call(w=live[s].workers[host], keys=keys, refs=refs, box=box):
                     status, partial = w.reduce.options(num_returns=2).remote(k, keys, *refs)
                     box[:] = [partial]
                     return status
 
-                issued.append((s, 0, call(), call))
+                issued.append((s, host, call(), call))
                 boxes.append((keys[0], box))
             self._gather(issued, k, wait, live)
             nodes = [(key, [box[0]]) for key, box in boxes]

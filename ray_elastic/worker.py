@@ -27,7 +27,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ray_elastic.data import host_rows
+from ray_elastic.errors import ConfigError
 from ray_elastic.program import TrainProgram
+from ray_elastic.reduction import divided, reduce_pieces
+from ray_elastic.shards import from_local_blocks, local_blocks
 
 __all__ = ["SliceWorker"]
 
@@ -137,9 +140,12 @@ class SliceWorker:
         self._jax = jax
         self.program = program = self._factory()
         marks.append(("program_build", time.time()))
-        self.mesh = Mesh(np.array(devices), ("data",))
+        layout = program.layout
+        plan = layout.plan(len(devices))
+        self.mesh = Mesh(np.array(devices).reshape(plan.axis_sizes), plan.axis_names)
         self._replicated = NamedSharding(self.mesh, PartitionSpec())
-        self._batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+        self._batch_sharding = NamedSharding(self.mesh, PartitionSpec(plan.batch_axes))
+        self._sharded = layout.sharded
 
         def grad_fn(params, batch):
             return jax.value_and_grad(program.loss_fn)(params, batch)
@@ -154,14 +160,22 @@ class SliceWorker:
         # Lowered once (traced once: a program may cache what its init
         # traces), compiled and run only when the state is needed.
         rng = jax.random.PRNGKey(self._seed)
-        init_params = jax.jit(program.init_params, out_shardings=self._replicated).lower(rng)
+        p_out, o_out = self._state_shardings(program, rng)
+        init_params = jax.jit(program.init_params, out_shardings=p_out).lower(rng)
         p_shape = init_params.out_info
-        p_spec = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated), p_shape)
-        init_opt = jax.jit(program.optimizer.init, out_shardings=self._replicated).lower(p_spec)
+        p_spec = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), p_shape,
+                              _full(p_out, p_shape))
+        init_opt = jax.jit(program.optimizer.init, out_shardings=o_out).lower(p_spec)
         o_shape = init_opt.out_info
         self._init_fns = (init_params, init_opt, rng)
-        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._replicated)  # noqa: E731
-        params, opt_state = jax.tree.map(spec, p_shape), jax.tree.map(spec, o_shape)
+        params = p_spec
+        opt_state = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), o_shape,
+                                 _full(o_out, o_shape))
+        # The leaves' global shapes and shardings: what a host's blocks are
+        # put back into (shards.from_local_blocks).
+        self._p_specs, self._p_def = jax.tree.flatten(params)
+        self._o_specs, self._o_def = jax.tree.flatten(opt_state)
+        p_out, o_out = _full(p_out, p_shape), _full(o_out, o_shape)
         self._template = {"params": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), p_shape),
                           "opt_state": jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), o_shape)}
         self.params = self.opt_state = None
@@ -171,6 +185,11 @@ class SliceWorker:
             self._ensure_state()
         marks.append(("initial_state", time.time()))
         sample = self._local_batch(0, 0)
+        rows = next(iter(sample.values())).shape[0] * self.hosts
+        if rows % plan.batch_ways:
+            raise ConfigError("layout.batch_axes", f"a shard's batch of {rows} rows does not split over the "
+                              f"{plan.batch_ways} devices of the batch axes {plan.batch_axes}; make the per-shard "
+                              "batch a multiple of that, or split the batch over fewer axes")
         global_shape = {
             k: jax.ShapeDtypeStruct((v.shape[0] * self.hosts,) + v.shape[1:], v.dtype, sharding=self._batch_sharding)
             for k, v in sample.items()
@@ -178,15 +197,20 @@ class SliceWorker:
         # Compile once, ahead of time: shapes never change with the number of
         # live slices, so resizing never recompiles.
         self._grad = (
-            jax.jit(grad_fn, out_shardings=self._replicated).lower(params, global_shape).compile()
+            jax.jit(grad_fn, out_shardings=(self._replicated, p_out)).lower(params, global_shape).compile()
         )
         self._update = (
-            jax.jit(update_fn, out_shardings=(self._replicated, self._replicated), donate_argnums=(0, 1))
+            jax.jit(update_fn, out_shardings=(p_out, o_out), donate_argnums=(0, 1))
             .lower(params, opt_state, params)
             .compile()
         )
         from jax.flatten_util import ravel_pytree
 
+        marks.append(("compile", time.time()))
+        if self._sharded:  # snapshots are each host's own blocks: no flat copy
+            return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": self._phases(marks),
+                    "ready_at": marks[-1][1], "per_host": True}
+        marks.pop()
         if _EAGER_SETUP:
             _, self._unravel = ravel_pytree((self.params, self.opt_state))
         self._flatten = (
@@ -196,7 +220,28 @@ class SliceWorker:
         )
         marks.append(("compile", time.time()))
         return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": self._phases(marks),
-                "ready_at": marks[-1][1]}
+                "ready_at": marks[-1][1], "per_host": False}
+
+    def _state_shardings(self, program: TrainProgram, rng) -> tuple:
+        """The params' and optimizer state's shardings: replicated, or by
+        the layout's specs (the optimizer state following its params)."""
+        if not self._sharded:
+            return self._replicated, self._replicated
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        from ray_elastic.layout import resolve_param_specs
+
+        jax = self._jax
+        is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+        abstract = jax.eval_shape(program.init_params, rng)
+        specs = resolve_param_specs(program.layout, abstract)
+        o_specs = optax.tree_map_params(
+            program.optimizer, lambda _, spec: spec, jax.eval_shape(program.optimizer.init, abstract), specs,
+            transform_non_params=lambda v: jax.tree.map(lambda _: PartitionSpec(), v), is_leaf=is_spec,
+        )
+        named = lambda tree: jax.tree.map(lambda p: NamedSharding(self.mesh, p), tree, is_leaf=is_spec)  # noqa: E731
+        return named(specs), named(o_specs)
 
     def _ensure_state(self) -> None:
         """Make the step-0 state if no state is held yet (a slice that
@@ -277,10 +322,13 @@ class SliceWorker:
         grads, losses = {}, {}
         for shard in shards:
             loss, g = self._grad(self.params, self._to_global_batch(self._local_batch(step, shard)))
-            if self.host == 0:
+            if self._sharded:  # every host sends its own blocks, to the same host of the other slices
+                grads[shard] = local_blocks(self._jax.tree.leaves(g), copy=False)
+                losses[shard] = float(np.asarray(loss.addressable_data(0)))
+            elif self.host == 0:
                 grads[shard] = self._jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), g)
                 losses[shard] = float(np.asarray(loss.addressable_data(0)))
-        if self.host != 0:
+        if self.host != 0 and not self._sharded:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": losses}, {"grads": grads, "loss": losses}
 
@@ -315,8 +363,11 @@ class SliceWorker:
         self._ensure_state()
         total = reduce_pieces(self._jax.tree.map, None, parts)
         n = total["count"]
-        mean = self._jax.tree.map(lambda a: _divided(a, n), total["sum"])
-        mean = self._jax.tree.map(self._replicate, mean)
+        mean = self._jax.tree.map(lambda a: divided(a, n), total["sum"])
+        if self._sharded:
+            mean = self._jax.tree.unflatten(self._p_def, from_local_blocks(mean, self._p_specs))
+        else:
+            mean = self._jax.tree.map(self._replicate, mean)
         self.params, self.opt_state = self._update(self.params, self.opt_state, mean)
         self._step = step + 1
         losses = total["loss"]
@@ -336,10 +387,16 @@ class SliceWorker:
         value = np.asarray(value)
         return self._jax.make_array_from_callback(value.shape, self._replicated, lambda idx: value[idx])
 
+    def _put(self, value, spec):
+        value = np.asarray(value)
+        return self._jax.make_array_from_callback(value.shape, spec.sharding, lambda idx: value[idx])
+
     def flat_state(self) -> dict:
         """The state as one host buffer (a jitted ravel: one copy, not one
         per leaf); `load_state` takes it back."""
         self._ensure_state()
+        if self._sharded:
+            return self._blocks()
         flat = self._flatten(self.params, self.opt_state)  # a fresh buffer: no copy needed
         return {"step": self._step, "flat": np.asarray(flat.addressable_data(0))}
 
@@ -349,8 +406,19 @@ class SliceWorker:
         with self._state_lock:
             return self._state()
 
+    def _blocks(self) -> dict:
+        """This host's own blocks of the state (copies: the buffers are
+        donated to the next update): its snapshot, and what the same host
+        of a joining slice loads."""
+        jax = self._jax
+        blocks = local_blocks(jax.tree.leaves(self.params), copy=True, tag="p")
+        blocks.update(local_blocks(jax.tree.leaves(self.opt_state), copy=True, tag="o"))
+        return {"step": self._step, "blocks": blocks, "host": self.host}
+
     def _state(self) -> dict:
         self._ensure_state()
+        if self._sharded:  # never the whole state: this host's part
+            return self._blocks()
         host = lambda a: np.array(a.addressable_data(0), copy=True)  # noqa: E731 (replicated)
         return {
             "step": self._step,
@@ -359,6 +427,18 @@ class SliceWorker:
         }
 
     def load_state(self, state: dict) -> int:
+        if "blocks" in state:  # a sharded snapshot, from the same host index of another slice
+            if state.get("host", self.host) != self.host:
+                raise ValueError(f"host {self.host} of slice {self.slice_id} was handed host {state['host']}'s "
+                                 "blocks: a sharded state loads host to host")
+            jax = self._jax
+            with self._state_lock, self._init_lock:
+                self.params = jax.tree.unflatten(self._p_def, from_local_blocks(state["blocks"], self._p_specs, "p"))
+                self.opt_state = jax.tree.unflatten(self._o_def,
+                                                    from_local_blocks(state["blocks"], self._o_specs, "o"))
+                self._step = int(state["step"])
+                self._last_apply = None
+            return self._step
         if "flat" in state:  # an in-memory snapshot
             if self._unravel is not None:
                 params, opt_state = self._unravel(state["flat"])
@@ -369,8 +449,12 @@ class SliceWorker:
                 # a new process costs more than the rest of the load.
                 state = dict(_unflatten(state["flat"], self._template), step=state["step"])
         with self._state_lock, self._init_lock:
-            self.params = self._jax.tree.map(self._replicate, state["params"])
-            self.opt_state = self._jax.tree.map(self._replicate, state["opt_state"])
+            # Whole arrays (a checkpoint, a replicated snapshot): each
+            # device takes its block of them.
+            self.params = self._jax.tree.unflatten(self._p_def, [
+                self._put(v, spec) for v, spec in zip(self._jax.tree.leaves(state["params"]), self._p_specs)])
+            self.opt_state = self._jax.tree.unflatten(self._o_def, [
+                self._put(v, spec) for v, spec in zip(self._jax.tree.leaves(state["opt_state"]), self._o_specs)])
             self._step = int(state["step"])
             self._last_apply = None
         return self._step
@@ -384,6 +468,15 @@ class SliceWorker:
 
     def ping(self) -> bool:
         return True
+
+
+def _full(sharding, tree):
+    """One sharding per leaf of `tree` (a single one stands for all)."""
+    import jax
+
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda _: sharding, tree)
+    return sharding
 
 
 def _process_started_at() -> Optional[float]:
@@ -418,52 +511,3 @@ def _unflatten(flat, template: dict) -> dict:
         raise ValueError(f"snapshot has {flat.shape[0]} values, the state needs {offset}")
     params, opt_state = jax.tree.unflatten(treedef, out)
     return {"params": params, "opt_state": opt_state}
-
-
-def _pieces(part: dict) -> list[tuple[int, Any, int]]:
-    """(key, sum, count) of a phase-1 payload (one piece per shard) or of a
-    reduction-tree partial sum (one piece keyed by its first shard)."""
-    if "grads" in part:
-        return [(shard, g, 1) for shard, g in part["grads"].items()]
-    return [(part["key"], part["sum"], part["count"])]
-
-
-def reduce_pieces(tree_map: Callable, keys: Optional[tuple], parts: tuple) -> dict:
-    """Sum the pieces of `parts` named by `keys` (None: all), in key order.
-
-    The order of additions depends only on the keys, so every run with the
-    same number of shards adds in the same order, whichever slices computed
-    or reduced them: a resized run stays bitwise equal to a failure-free
-    one. A payload may carry shards of other tree nodes; those are skipped.
-    """
-    wanted = None if keys is None else set(keys)
-    pieces, losses = {}, {}
-    for part in parts:
-        if part is None:
-            continue
-        for key, value, count in _pieces(part):
-            if wanted is None or key in wanted:
-                pieces[key] = (value, count)
-        losses.update({s: v for s, v in part["loss"].items() if wanted is None or _covered(s, part, wanted)})
-    if wanted is not None and set(pieces) != wanted:
-        raise RuntimeError(f"reduction node is missing pieces {sorted(wanted - set(pieces))}")
-    order = sorted(pieces)
-    acc = tree_map(lambda a: np.array(a, copy=True), pieces[order[0]][0])
-    for key in order[1:]:
-        acc = tree_map(_add_into, acc, pieces[key][0])
-    return {"key": order[0], "sum": acc, "count": sum(pieces[k][1] for k in order), "loss": losses}
-
-
-def _covered(shard: int, part: dict, wanted: set) -> bool:
-    # A payload's losses are per shard; a partial's belong to its key.
-    return shard in wanted if "grads" in part else part["key"] in wanted
-
-
-def _add_into(acc: np.ndarray, value) -> np.ndarray:
-    acc += value
-    return acc
-
-
-def _divided(acc: np.ndarray, n: int) -> np.ndarray:
-    acc /= n
-    return acc

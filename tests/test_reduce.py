@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ray_elastic.step_runner import APPLY_FAN_IN
-from ray_elastic.worker import reduce_pieces
+from ray_elastic.reduction import reduce_pieces
 
 
 def _payload(shards, rng_seed=0):

@@ -185,7 +185,10 @@ class CheckpointCoordinator:
 
     def submit(self, step: int, snapshot_ref, urgent: bool = False) -> None:
         meta = {**self.facts, "step": step, "time": time.time()}
-        ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta, urgent)
+        if isinstance(snapshot_ref, tuple):  # a sharded state: one part per host
+            ref = self._writer_handle().save_parts.remote(step, self._template_ref, meta, urgent, *snapshot_ref)
+        else:
+            ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta, urgent)
         self._inflight = (step, ref, time.monotonic())
         self._emit("checkpoint_started", step=step)
 
@@ -246,13 +249,16 @@ class CheckpointCoordinator:
     def rescue(self, step: int, snapshot_ref, run_name: str) -> str:
         """Write the newest state to local disk when the storage keeps
         failing, so nothing trained is lost silently."""
-        from ray_elastic.checkpoint.store import unflatten
+        from ray_elastic.checkpoint.store import assemble, unflatten
 
         folder = os.path.join(self.config.rescue_dir, run_name)
-        snapshot = ray.get(snapshot_ref)
         template = ray.get(self._template_ref)
-        state = unflatten(snapshot["flat"], template) if "flat" in snapshot else {
-            "params": snapshot["params"], "opt_state": snapshot["opt_state"]}
+        if isinstance(snapshot_ref, tuple):  # a sharded state: one part per host
+            state = assemble(ray.get(list(snapshot_ref)), template)
+        else:
+            snapshot = ray.get(snapshot_ref)
+            state = unflatten(snapshot["flat"], template) if "flat" in snapshot else {
+                "params": snapshot["params"], "opt_state": snapshot["opt_state"]}
         CheckpointStore(folder, keep=1, retries=1).save(step, state, {**self.facts, "step": step})
         return folder
 

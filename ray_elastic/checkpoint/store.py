@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 from ray_elastic.checkpoint import integrity
 from ray_elastic.errors import CheckpointDamaged, StorageError
 
-__all__ = ["CheckpointStore", "StepInfo", "STORAGE_ENV", "refresh_listings", "unflatten"]
+__all__ = ["CheckpointStore", "StepInfo", "STORAGE_ENV", "assemble", "refresh_listings", "unflatten"]
 
 log = logging.getLogger("ray_elastic")
 # gcsfs warns on every call when no cloud credentials exist (an emulator, a
@@ -391,3 +391,30 @@ def unflatten(flat, template) -> dict:
         raise ValueError(f"snapshot has {flat.shape[0]} values, the state template needs {offset}")
     params, opt_state = jax.tree.unflatten(treedef, out)
     return {"params": params, "opt_state": opt_state}
+
+
+def assemble(parts, template) -> dict:
+    """Whole arrays from the hosts' blocks of a sharded state (each part a
+    host's `{"blocks": {(tag, leaf, block key): array}}`, as
+    ray_elastic.shards keys them; tag "p" params, "o" optimizer state).
+    The single checkpoint writer uses it, so it holds the whole state while
+    it writes; per-host sharded saves would not."""
+    import jax
+    import numpy as np
+
+    trees = {}
+    for tag, name in (("p", "params"), ("o", "opt_state")):
+        leaves, treedef = jax.tree.flatten(template[name])
+        out = [np.zeros(leaf.shape, leaf.dtype) for leaf in leaves]
+        filled = [0] * len(leaves)
+        for part in parts:
+            for (t, i, key), block in part["blocks"].items():
+                if t != tag:
+                    continue
+                out[i][tuple(slice(a, b) for a, b in key)] = block
+                filled[i] += int(np.asarray(block).size)
+        short = [i for i, leaf in enumerate(leaves) if filled[i] < int(np.prod(leaf.shape, dtype=np.int64))]
+        if short:
+            raise ValueError(f"the hosts' blocks do not cover {name} leaves {short[:5]}")
+        trees[name] = jax.tree.unflatten(treedef, out)
+    return trees
