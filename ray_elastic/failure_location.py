@@ -23,7 +23,7 @@ from ray import exceptions as rex
 
 from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
 
-__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "short"]
+__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "runtime_error", "short"]
 
 TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
 
@@ -95,6 +95,13 @@ class RayProbe:
         ray.get(worker.ping.remote(), timeout=timeout_s)
 
 
+def runtime_error(exc: BaseException) -> bool:
+    """A worker call that raised JAX's runtime error (an XLA computation,
+    collectives included, failed), not a Python error of the program."""
+    cause = getattr(exc, "cause", None) if isinstance(exc, rex.RayTaskError) else None
+    return cause is not None and type(cause).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+
+
 def failure(kind: FailureKind, slice_id: int, host: int, step: int, cause: str) -> SliceFailure:
     return FAILURE_TYPES[kind](slice_id, host, step, cause)
 
@@ -163,6 +170,34 @@ class FailureLocator:
     def classify_call(self, exc: BaseException, live: Mapping, s: int, h: int) -> Optional[FailureKind]:
         sl = live[s]
         return self.classify(exc, sl.workers[h], sl.infos[h]["node_id"])
+
+    def peer_failure(self, exc: BaseException, live: Mapping, s: int, h: int, step: int) -> Optional[SliceFailure]:
+        """Host h's call died inside a JAX collective (`runtime_error`): in a
+        multi-host slice that is how a peer's loss first shows on the
+        survivors of its slice (gloo, NCCL or ICI reporting the broken
+        connection), often before the peer's own call fails. The failure is
+        the peer's: the one on a lost node, or that does not answer. None if
+        every peer answers within the confirmation time (the error is then
+        the program's own)."""
+        sl = live[s]
+        if len(sl.workers) < 2 or not runtime_error(exc):
+            return None
+        end = self._clock() + self._confirm_s
+        while True:
+            for p, (worker, info) in enumerate(zip(sl.workers, sl.infos)):
+                if p == h:
+                    continue
+                if self.node_lost(info["node_id"]):
+                    return failure(FailureKind.NODE_DIED, s, p, step, f"host {h}'s collective broke: {short(exc)}")
+                try:
+                    self.probe.ping(worker, 0.5)
+                except rex.RayError as pe:
+                    kind = self.classify(pe, worker, info["node_id"])
+                    if kind is not TRANSIENT:
+                        return failure(kind, s, p, step, short(pe))
+            if self._clock() >= end:
+                return None
+            self._sleep(0.1)
 
     def lost_host(self, live: Mapping) -> Optional[tuple[int, int]]:
         """(slice, host) on a node whose raylet refuses connections, if

@@ -1,0 +1,91 @@
+"""FailureLocator.peer_failure: a collective error on one host of a
+multi-host slice is pinned on the peer that is gone (pure logic over a
+fake probe; tests/test_sharded_e2e.py removes a real node)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from ray import exceptions as rex
+
+from ray_elastic.errors import FailureKind
+from ray_elastic.failure_location import FailureLocator, runtime_error
+
+
+class JaxRuntimeError(RuntimeError):  # the name JAX's own error has
+    pass
+
+
+def _task_error(cause: BaseException) -> rex.RayTaskError:
+    return rex.RayTaskError("compute_grads", "traceback", cause)
+
+
+@dataclasses.dataclass
+class _Slice:
+    workers: list
+    infos: list
+
+
+class _Probe:
+    def __init__(self, lost=(), dead=()):
+        self.lost, self.dead = set(lost), set(dead)
+
+    def node_alive(self, node_id):
+        return node_id not in self.lost
+
+    def raylet_reachable(self, node_id):
+        return node_id not in self.lost
+
+    def raylet_answers(self, node_id):
+        return node_id not in self.lost
+
+    def ping(self, worker, timeout_s):
+        if worker in self.dead:
+            raise rex.ActorDiedError()
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+    def sleep(self, s):
+        self.t += s
+
+
+def _live():
+    return {0: _Slice(["w00", "w01"], [{"node_id": "n00"}, {"node_id": "n01"}]),
+            1: _Slice(["w10", "w11"], [{"node_id": "n10"}, {"node_id": "n11"}])}
+
+
+def _locator(probe):
+    clock = _Clock()
+    return FailureLocator(probe, clock, clock.sleep, confirm_s=1.0)
+
+
+def test_runtime_error_is_jax_s_not_the_program_s():
+    assert runtime_error(_task_error(JaxRuntimeError("Gloo all-reduce failed")))
+    assert not runtime_error(_task_error(ValueError("bad batch")))
+    assert not runtime_error(ValueError("not from a task"))
+
+
+def test_a_lost_peer_node_takes_the_blame():
+    f = _locator(_Probe(lost={"n10"})).peer_failure(_task_error(JaxRuntimeError("reset")), _live(), 1, 1, step=3)
+    assert (f.kind, f.slice_id, f.host, f.step) == (FailureKind.NODE_DIED, 1, 0, 3)
+
+
+def test_a_dead_peer_process_takes_the_blame():
+    f = _locator(_Probe(dead={"w01"})).peer_failure(_task_error(JaxRuntimeError("reset")), _live(), 0, 0, step=5)
+    assert (f.kind, f.slice_id, f.host) == (FailureKind.PROCESS_DIED, 0, 1)
+
+
+def test_every_peer_alive_means_the_program_s_own_error():
+    assert _locator(_Probe()).peer_failure(_task_error(JaxRuntimeError("oom")), _live(), 0, 0, step=1) is None
+
+
+@pytest.mark.parametrize("exc", [_task_error(ValueError("bad")), rex.ActorDiedError()])
+def test_other_errors_are_not_collective_failures(exc):
+    assert _locator(_Probe(lost={"n01"})).peer_failure(exc, _live(), 0, 0, step=1) is None
