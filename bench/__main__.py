@@ -52,6 +52,9 @@ def main(argv=None) -> int:
                         help="compare: alternated rounds for the overheads (quick 2, full 5; 0: skip)")
     parser.add_argument("--sizes", type=lambda t: [int(x) for x in _csv(t)], default=None,
                         help="scale: slice counts (default 16,64,256,1024)")
+    parser.add_argument("--step-s", type=float, default=None,
+                        help="scale: simulated compute per step (e.g. 1): pipelined dispatch off vs on, "
+                             "driver overhead per step (default sizes 256,1024)")
     parser.add_argument("--minutes", type=float, default=30.0, help="soak: length of each chaos run (default 30)")
     parser.add_argument("--policy", default="both", choices=("pause", "resize", "both"),
                         help="soak: the policy of the chaos run(s) (default both)")
@@ -166,6 +169,18 @@ def main(argv=None) -> int:
     from bench import scale
 
     cluster = start_cluster(0)  # the fakes need no worker nodes
+    if args.step_s:
+        try:
+            result = scale.pipelined(sizes=args.sizes or [256, 1024], step_s=args.step_s, steps=args.steps or 20)
+        finally:
+            cluster.shutdown()
+        text = scale.pipelined_table(result)
+        print(text)
+        for ext, body in (("json", json.dumps(result, indent=1)), ("md", text + "\n")):
+            with open(os.path.join(args.out, f"scale_pipelined.{ext}"), "w") as f:
+                f.write(body)
+        print(f"\nwrote scale_pipelined.json and .md under {args.out} ({time.monotonic() - t0:.0f} s)")
+        return 0
     try:
         sizes = args.sizes or list(scale.SIZES)
         result = scale.run(sizes=sizes, steps=args.steps or (25 if args.quick else 40),

@@ -20,11 +20,29 @@ the controller's classification and recovery paths run unchanged.
     slices.instances[0].fake_s      # seconds the fakes spent in their own calls
     slices.instances[0].fake_cpu_s  # the same in process CPU time
 
+Timed steps (`configured(step_s=1.0)`): each compute_grads takes step_s
+of simulated compute, without ever blocking the driver. Every ref a fake
+hands out has a modelled ready time (wall clock): compute_grads is ready
+step_s after the latest of its call, its worker's previous compute and its
+arguments (a pipelined call's argument is the worker's previous apply);
+reduce and apply are ready when their arguments are (their own work is
+negligible next to the gradients). A ref whose time is still to come is
+one of the returns of a call on `_Clock`, an async actor that sleeps until
+that time and returns; calls due at the same time (on a 2 ms grid) share
+one clock call with many returns, so the clock's own cost stays small. A
+call any of whose arguments failed fails too and changes no state, as a
+Ray task whose dependency failed never runs. The driver's work is then the
+step's wall time less step_s; the fakes' own share (`fake_s`: their
+results, ray.put and the clock calls, standing in for Ray's per-call work)
+is counted apart as before.
+
 Used by `bench/scale.py` and its smoke test; never by a real run.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 import time
 from typing import Any, Callable, Optional
 
@@ -69,6 +87,23 @@ def _tombstone():
     return actor
 
 
+@ray.remote(num_cpus=0, max_concurrency=100000)
+class _Clock:
+    """Returns its arguments at a given wall-clock time."""
+
+    async def at(self, t: float, copies: int, *values):
+        await asyncio.sleep(max(0.0, t - time.time()))
+        out = tuple(values) * copies
+        return out if len(out) > 1 else out[0]
+
+    def ping(self) -> bool:
+        return True
+
+
+_GRID_S = 0.002  # ready times are rounded up to this, so calls due together share one clock call
+_POOL = 256  # refs per clock call
+
+
 def dead_ref():
     """A ref whose ray.get raises ActorDiedError (a call on a dead actor)."""
     return _tombstone().ping.remote()
@@ -98,6 +133,7 @@ class FakeWorker:
         self.slice_id, self.host, self.hosts = slice_id, host, hosts
         self.step = -1
         self.dead = False
+        self.free_at = 0.0  # when this worker's last simulated compute ends
         self._last_apply: Optional[dict] = None
 
     def __getattr__(self, name: str):
@@ -107,17 +143,25 @@ class FakeWorker:
 
     def _call(self, name: str, num_returns: int, args: tuple, kwargs: dict):
         t0, c0 = time.perf_counter(), time.process_time()
+        owner = self._owner
         try:
-            if not self.dead and name == "compute_grads" and self._owner._due(self.slice_id, self.host, args[0]):
+            if not self.dead and name == "compute_grads" and owner._due(self.slice_id, self.host, args[0]):
                 self.dead = True  # the worker "dies" during this call
-            if self.dead:
+            inputs = [owner.ready.get(a, 0.0) for a in args if isinstance(a, ray.ObjectRef)]
+            if self.dead or None in inputs:  # dead, or an argument failed: the call never runs
                 refs = [dead_ref() for _ in range(num_returns)]
+                for r in refs:
+                    owner.ready[r] = None
             else:
                 result = getattr(self, "_" + name)(*args, **kwargs)
-                if num_returns == 1:
-                    refs = [ray.put(result)]
-                else:
-                    refs = [ray.put(r) for r in result]
+                results = [result] if num_returns == 1 else list(result)
+                at = max([time.time(), *inputs])
+                if name == "compute_grads" and owner.step_s:
+                    at = self.free_at = max(at, self.free_at) + owner.step_s
+                # What the controller reads of a timed call (apply's
+                # metrics, whether it carries a snapshot) keys its pool.
+                key = (name, repr(results[0]), results[1] is None) if name == "apply" else (name,)
+                refs = owner.refs_at(at, results, key)
             return refs[0] if num_returns == 1 else refs
         finally:
             self._owner.fake_s += time.perf_counter() - t0
@@ -136,7 +180,7 @@ class FakeWorker:
         self.step = 0
         return {"setup_s": 0.0, "devices": 1}
 
-    def _compute_grads(self, step: int, shards: tuple) -> tuple:
+    def _compute_grads(self, step: int, shards: tuple, *after) -> tuple:
         if step != self.step:
             raise RuntimeError(f"fake slice {self.slice_id} holds step {self.step}, asked for {step}")
         if self.host != 0:
@@ -192,6 +236,7 @@ class FakeSlices:
     # Set by `configured`: when fake workers fail, as (step, slice_id[, host]).
     fail: tuple = ()
     state_floats: int = 16  # size of the fake state and of each gradient
+    step_s: float = 0.0  # simulated compute per compute_grads call
     instances: list = []  # every FakeSlices built from this class, in order
 
     def __init__(self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
@@ -207,16 +252,49 @@ class FakeSlices:
         self.fake_s = 0.0  # time spent inside the fakes' own calls (ray.put included)
         self.fake_cpu_s = 0.0  # the same, process CPU time
         self.calls = 0
+        self.clock_calls = 0
         self.started: list[int] = []
+        self.ready: dict = {}  # ref handed out -> its modelled ready time (None: failed)
+        self._pools: dict = {}  # ready time -> refs of a clock call not handed out yet
+        self._clock = None
         if self._pending_failures:
             _tombstone()  # made now, not on the first failure's clock
         type(self).instances.append(self)
 
     @classmethod
-    def configured(cls, fail=(), state_floats: int = 16) -> type:
-        """A subclass with its own failure plan and instance list (the
-        controller builds the backend itself)."""
-        return type("FakeSlices", (cls,), {"fail": tuple(fail), "state_floats": state_floats, "instances": []})
+    def configured(cls, fail=(), state_floats: int = 16, step_s: float = 0.0) -> type:
+        """A subclass with its own failure plan, step time and instance
+        list (the controller builds the backend itself)."""
+        return type("FakeSlices", (cls,), {"fail": tuple(fail), "state_floats": state_floats, "step_s": step_s,
+                                           "instances": []})
+
+    def refs_at(self, at: float, results: list, kind: tuple = ()) -> list:
+        """Refs of `results` that become ready at wall time `at`."""
+        if at <= time.time() + _GRID_S:
+            refs = [ray.put(r) for r in results]
+        else:
+            # The fakes never read what a timed ref holds, and the
+            # controller reads only metrics, which are the same on every
+            # slice for a step: a clock call's returns carry the first
+            # caller's results, handed out in turn to the calls due then.
+            at = math.ceil(at / _GRID_S) * _GRID_S
+            key = (at, len(results), kind)
+            pool = self._pools.get(key)
+            if not pool:
+                if self._clock is None:
+                    self._clock = _Clock.remote()
+                    ray.get(self._clock.ping.remote())
+                out = self._clock.at.options(num_returns=_POOL * len(results)).remote(at, _POOL, *results)
+                pool = self._pools[key] = list(out)
+                self.clock_calls += 1
+            refs, pool[:] = pool[:len(results)], pool[len(results):]
+        for r in refs:
+            self.ready[r] = at
+        if len(self.ready) > 200000:  # forget refs long past
+            now = time.time()
+            self.ready = {r: t for r, t in self.ready.items() if t is None or t > now - 60}
+            self._pools = {k: p for k, p in self._pools.items() if k[0] > now}
+        return refs
 
     def _due(self, slice_id: int, host: int, step: int) -> bool:
         for f in self._pending_failures:

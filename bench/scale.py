@@ -20,6 +20,13 @@ controller event:
 - "controller only": the same less the fakes' own share (building their
   results and `ray.put`, which stands in for Ray's per-call work).
 
+With a set compute time per step (`--step-s`, e.g. 1 s: the fakes' refs
+resolve that long after the step's gradient calls can start, on a clock
+actor, never blocking the driver), `pipelined` runs every size twice,
+pipelined dispatch off and on (RAY_ELASTIC_PIPELINE), without failures,
+and reports the driver's overhead per step: the median step time less
+step_s, as a share of the step.
+
 The slope of log(time) against log(slices) (least squares over all sizes,
 and between the two largest) says how the cost grows: 1.0 is linear.
 
@@ -34,6 +41,7 @@ did before (n apply calls of n refs each: O(n^2)).
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -49,7 +57,7 @@ def _no_program():  # the fakes never build the program
 
 
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
-            seed: int = 0) -> dict:
+            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None) -> dict:
     """One run of the real controller on `num_slices` fake slices. Times
     are wall clock and the driver process's CPU time (all its threads,
     Ray's included): CPU time is what the controller costs, and it is far
@@ -65,7 +73,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     span = max(1, steps - warmup - 4)
     fail_steps = sorted({warmup + 1 + (i * span) // max(1, failures) for i in range(failures)})
     plan = [(k, rng.randrange(num_slices)) for k in fail_steps]
-    backend = FakeSlices.configured(fail=plan)
+    backend = FakeSlices.configured(fail=plan, step_s=step_s)
     stamps: list[tuple] = []  # (step, wall, cpu, fake wall, fake cpu)
     events: list[tuple] = []  # (event, wall, cpu, fake wall, fake cpu)
 
@@ -85,7 +93,16 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
                            first_step_deadline_s=600.0, step_deadline_floor_s=60.0)
     t0 = time.perf_counter()
     trainer = ElasticTrainer(_no_program, config, steps, callbacks=[Probe()], slices_backend=backend)
-    report = trainer.fit()
+    saved = os.environ.get("RAY_ELASTIC_PIPELINE")
+    if pipeline is not None:
+        os.environ["RAY_ELASTIC_PIPELINE"] = "1" if pipeline else "0"
+    try:
+        report = trainer.fit()
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_ELASTIC_PIPELINE", None)
+        else:
+            os.environ["RAY_ELASTIC_PIPELINE"] = saved
     wall = time.perf_counter() - t0
     if report.steps_completed != steps:
         raise RuntimeError(f"{num_slices} fake slices: {report.steps_completed}/{steps} steps")
@@ -122,14 +139,60 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
         "fake_calls": inst.calls,
         "fake_s_total": round(inst.fake_s, 3),
         "replacements": len(inst.started) - num_slices,
+        "step_set_s": step_s,
+        "pipelined": trainer.members.backend.runner.pipeline,
+        "steps_issued_ahead": trainer.members.backend.runner.steps_ahead,
+        "clock_calls": inst.clock_calls,
+        "steps_measured": len(normal),
     }
     for key in ("wall", "cpu", "wall_ctl", "cpu_ctl"):
         out[f"step_{key}_s"] = statistics.median(d[key] for d in normal)
         out[f"failure_{key}_s"] = summary([d[key] for d in per_failure])
+    out["step_wall_all_s"] = summary([d["wall"] for d in normal])
     # Kept for the names used before: wall clock, all in.
     out["step_s"], out["step_controller_s"] = out["step_wall_s"], out["step_wall_ctl_s"]
     out["failure_s"], out["failure_controller_s"] = out["failure_wall_s"], out["failure_wall_ctl_s"]
     return out
+
+
+def pipelined(sizes: Sequence[int] = (256, 1024), step_s: float = 1.0, steps: int = 20,
+              log=print) -> dict:
+    """Each size with pipelined dispatch off, then on, with a set compute
+    time per step and no failures: the driver's overhead per step is the
+    median step time less step_s."""
+    rows = []
+    for n in sizes:
+        for on in (False, True):
+            r = measure(n, steps=steps, failures=0, step_s=step_s, pipeline=on)
+            r["overhead_s"] = r["step_wall_s"] - step_s
+            r["overhead_share"] = r["overhead_s"] / r["step_wall_s"]
+            rows.append(r)
+            log(f"  {n:5d} fake slices, {step_s:g} s step, pipelined {'on ' if on else 'off'}: "
+                f"{r['step_wall_s'] * 1e3:8.1f} ms/step, driver overhead {r['overhead_s'] * 1e3:7.1f} ms "
+                f"({100 * r['overhead_share']:.1f}% of the step; driver CPU {r['step_cpu_s'] * 1e3:.0f} ms/step, "
+                f"controller only {r['step_cpu_ctl_s'] * 1e3:.0f} ms)")
+    return {"sizes": list(sizes), "step_s": step_s, "steps": steps, "rows": rows}
+
+
+# Targets of issue #13 for the driver's overhead, as a share of a 1 s step.
+OVERHEAD_TARGETS = {256: 0.05, 1024: 0.10}
+
+
+def pipelined_table(result: dict) -> str:
+    lines = [
+        f"| slices | pipelined | per step, wall (ms): median [min–max] | driver overhead (ms) | share of the step "
+        f"| target | driver CPU per step (ms) | … controller only (ms) | steps measured |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        a = r["step_wall_all_s"]
+        target = OVERHEAD_TARGETS.get(r["slices"])
+        lines.append(
+            f"| {r['slices']} | {'yes' if r['pipelined'] else 'no'} | {_ms(a['median'])} "
+            f"[{_ms(a['min'])}–{_ms(a['max'])}] | {_ms(r['overhead_s'])} | {100 * r['overhead_share']:.1f}% "
+            f"| {'≤ %d%%' % (100 * target) if target else ''} | {_ms(r['step_cpu_s'])} | {_ms(r['step_cpu_ctl_s'])} "
+            f"| {r['steps_measured']} |")
+    return "\n".join(lines)
 
 
 def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:

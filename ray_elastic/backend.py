@@ -36,8 +36,11 @@ class SliceBackend(Protocol):
     def run_step(
         self, step: int, slices: Sequence[int], assignment: Mapping[int, tuple],
         takers: frozenset, deadline_s: float, on_issued: Callable[[], None],
+        ahead: Optional[Mapping[int, tuple]] = None,
     ) -> StepResult:
-        """One step on these slices, or a SliceFailure."""
+        """One step on these slices, or a SliceFailure. `ahead`: the next
+        step's assignment, when the controller expects it on the same
+        slices: its pure calls may be issued before this step is done."""
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         """Complete a step that lost a slice in its gradient phase (the

@@ -35,6 +35,7 @@ from ray_elastic.data import assign_shards
 from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted, StateLoadFailed
 from ray_elastic.faults import Fault, FaultInjector
 from ray_elastic.membership import Membership, StateSource
+from ray_elastic.pipelining import next_assignment
 from ray_elastic.policy import Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
 from ray_elastic.preemption import DriverStop, PreemptionWatcher, SliceNotice
 from ray_elastic.program import TrainProgram
@@ -337,7 +338,8 @@ class ElasticTrainer:
             for fired in self._injector.fire_due(k, m.hosts()):
                 self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host, step=k)
 
-        result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults)
+        ahead = next_assignment(self._view(), self.config, k, self.steps, self._clock(), assignment)
+        result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead)
         self._complete_step(k, result, t_start)
 
     def _complete_step(self, k: int, result, t_start: float) -> None:

@@ -79,6 +79,7 @@ class RayBackend:
         self.start(s)
 
     def retire(self, slice_id: int) -> None:
+        self.runner.drop_ahead()
         for holder in (self._up, self._coming):
             gone = holder.pop(slice_id, None)
             if gone is not None:
@@ -98,13 +99,15 @@ class RayBackend:
     def run_step(
         self, step: int, slices: Sequence[int], assignment: Mapping[int, tuple],
         takers: frozenset, deadline_s: float, on_issued: Callable[[], None],
+        ahead: Optional[Mapping[int, tuple]] = None,
     ) -> StepResult:
-        return self.runner.run(step, self._live(slices), assignment, takers, deadline_s, on_issued)
+        return self.runner.run(step, self._live(slices), assignment, takers, deadline_s, on_issued, ahead)
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)
 
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
+        self.runner.drop_ahead()
         # A tuple is a sharded state, one part per host: host i loads the
         # part of host i of the slice it came from.
         refs = [w.load_state.remote(source[h] if isinstance(source, tuple) else source)

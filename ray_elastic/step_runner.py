@@ -19,11 +19,25 @@ is never reported done before its snapshot is sealed.
 
 A lost or hung host surfaces as a `SliceFailure` (failure_location), the
 first one seen; gradients never pass through the driver.
+
+Pipelined dispatch (`pipeline`, on unless RAY_ELASTIC_PIPELINE=0; replicated
+layouts): a step's calls are issued as one graph, without waiting between
+phases (Ray hands each result on as it is ready), and with `ahead` the
+next step's gradient phase and reduction tree are issued before this step
+is gathered, each gradient call after its own worker's apply (the apply's
+reply is its argument, so Ray runs it once the apply is done). The driver
+then works while the slices compute: a step costs max(compute, driver)
+rather than their sum. Only pure calls are issued ahead; the next apply
+waits for the step boundary. Every apply depends on every gradient call of
+its step (non-sending hosts' empty payloads ride along as gates), so a
+step that fails applies nowhere: a failure loses only the step in flight,
+and the calls issued ahead of it are dropped.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Callable, Mapping, Optional
 
 import ray
@@ -71,6 +85,28 @@ class PartialStep:
     pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 calls still running
 
 
+@dataclasses.dataclass
+class _Issued:
+    """A step's gradient phase and reduction tree, issued without waiting."""
+
+    step: int
+    live: dict  # slice -> the LiveSlice it was issued on
+    assignment: dict
+    grads: list  # phase-1 calls
+    payloads: dict  # slice -> {host: ref}
+    levels: list  # the reduction tree's calls, level by level
+    tops: list  # the refs every apply call takes
+
+    def serves(self, k: int, live: Mapping, assignment: Mapping) -> bool:
+        """Issued for this very step, slices (the same workers) and shards."""
+        return (self.step == k and dict(assignment) == self.assignment and self.live.keys() == live.keys()
+                and all(self.live[s] is live[s] for s in live))
+
+
+def pipeline_default() -> bool:
+    return os.environ.get("RAY_ELASTIC_PIPELINE", "1") != "0"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Deadline:
     at: float  # clock time the step must be done by
@@ -78,10 +114,19 @@ class _Deadline:
 
 
 class StepRunner:
-    def __init__(self, locator: FailureLocator, clock: Callable[[], float], fan_in: Optional[int] = None):
+    def __init__(self, locator: FailureLocator, clock: Callable[[], float], fan_in: Optional[int] = None,
+                 pipeline: Optional[bool] = None):
         self.locator = locator
         self._clock = clock
         self.fan_in = fan_in or APPLY_FAN_IN  # read now: tests lower it
+        self.pipeline = pipeline_default() if pipeline is None else pipeline
+        self._ahead: Optional[_Issued] = None  # the next step, issued ahead
+        self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
+        self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
+
+    def drop_ahead(self) -> None:
+        """Forget the calls issued ahead (their results are never read)."""
+        self._ahead = None
 
     def run(
         self,
@@ -91,13 +136,52 @@ class StepRunner:
         takers: frozenset,
         deadline_s: float,
         on_issued: Callable[[], None] = lambda: None,
+        ahead: Optional[Mapping[int, tuple]] = None,
     ) -> StepResult:
         """Run step k within deadline_s. `assignment`: slice -> its shards;
         `takers`: slices whose reply carries a snapshot; `on_issued` runs
-        once phase 1 is in flight (where injected faults fire)."""
+        once phase 1 is in flight (where injected faults fire); `ahead`:
+        the next step's assignment, to issue its pure calls early (None:
+        the step boundary may change the slices)."""
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
+        pre, self._ahead = self._ahead, None
+        if not self.pipeline or any(senders(sl) > 1 for sl in live.values()):
+            return self._run_in_phases(k, live, assignment, takers, wait, on_issued)
+        if pre is not None and pre.serves(k, live, assignment):
+            self.steps_ahead += 1
+        else:
+            pre = self._issue(k, live, assignment)
+        on_issued()
+        applies, snaps = self._issue_apply(k, live, pre.tops, takers)
+        nxt = None
+        if ahead is not None:
+            after = {(s, h): ref for s, h, ref, _ in applies}
+            nxt = self._issue(k + 1, live, ahead, after)
+        reissued = self._reissued
+        self._gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
+        for level in pre.levels:
+            self._gather(level, k, wait, live)
+        if self._reissued != reissued:
+            # A re-issued call's dependents hold its void ref: hand off again.
+            return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait)
+        result = StepResult(self._gather(applies, k, wait, live), snaps)
+        if self._reissued == reissued:
+            self._ahead = nxt
+        return result
+
+    def _run_in_phases(self, k, live, assignment, takers, wait: "_Deadline", on_issued) -> StepResult:
+        """Each phase issued once the one before is gathered."""
         issued, payloads = self._issue_grads(k, live, assignment)
         on_issued()
+        self._gather_grads(issued, payloads, k, live, assignment, wait)
+        return self._apply(k, live, self._holder(assignment, payloads), takers, wait)
+
+    @staticmethod
+    def _holder(assignment: Mapping, payloads: dict) -> dict:
+        """shard -> {sending host: the ref of the payload holding it}."""
+        return {shard: payloads[s] for s, shards in assignment.items() for shard in shards}
+
+    def _gather_grads(self, issued, payloads, k, live, assignment, wait: "_Deadline") -> None:
         finished: set = set()
         try:
             self._gather(issued, k, wait, live, finished)
@@ -107,8 +191,27 @@ class StepRunner:
             pending = [c for c in issued if c[0] in survivors and (c[0], c[1]) not in finished]
             f.partial = PartialStep(k, dict(assignment), survivors, pending)
             raise
-        holder = {shard: payloads[s] for s, shards in assignment.items() for shard in shards}
-        return self._apply(k, live, holder, takers, wait)
+
+    def _issue(self, k: int, live: Mapping, assignment: Mapping, after: Optional[dict] = None) -> _Issued:
+        """Phase 1 and the reduction tree of step k as one graph (nothing
+        gathered); each gradient call waits for `after[(slice, host)]`."""
+        grads, payloads = self._issue_grads(k, live, assignment, after)
+        holder = self._holder(assignment, payloads)
+        leaves = {shard: [refs[0]] for shard, refs in holder.items()}
+        first = min(leaves)
+        for s in sorted(payloads):
+            # The payloads no apply would otherwise wait for (non-sending
+            # hosts', a slice without shards): gates, empty for the sum.
+            gates = [r for h, r in sorted(payloads[s].items()) if h > 0 or not assignment.get(s)]
+            leaves[min(assignment.get(s) or (first,))] += gates
+        nodes = sorted(leaves.items())
+        levels = []
+        while len(nodes) > self.fan_in:
+            level, boxes = self._tree_level(k, live, nodes, 0)
+            levels.append(level)
+            nodes = [(key, [box[0]]) for key, box in boxes]
+        tops = list(dict.fromkeys(r for _, rs in nodes for r in rs))
+        return _Issued(k, dict(live), dict(assignment), grads, payloads, levels, tops)
 
     def finish(self, partial: PartialStep, live: Mapping, takers: frozenset, deadline_s: float) -> StepResult:
         """Complete a step whose gradient phase lost a slice: the live
@@ -127,15 +230,18 @@ class StepRunner:
         holder.update({shard: payloads[s] for s, shards in extra.items() for shard in shards})
         return self._apply(k, live, holder, takers, wait)
 
-    def _issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple]) -> tuple[list, dict]:
+    def _issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple],
+                     after: Optional[dict] = None) -> tuple[list, dict]:
         """Phase-1 calls on every host of the slices in `shards_of`; the
-        payloads dict fills with each slice's gradients: {sending host: ref}."""
+        payloads dict fills with each slice's gradients: {host: ref} (only
+        the sending hosts' hold any). With `after`, each call takes
+        after[(slice, host)] as an argument: Ray runs it once that is done."""
         payloads: dict[int, dict] = {}
 
         def grads_call(w, s: int, h: int):
-            status, payload = w.compute_grads.options(num_returns=2).remote(k, shards_of[s])
-            if h < senders(live[s]):
-                payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it
+            extra = (after[(s, h)],) if after else ()
+            status, payload = w.compute_grads.options(num_returns=2).remote(k, shards_of[s], *extra)
+            payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it
             return status
 
         issued = [
@@ -149,7 +255,14 @@ class StepRunner:
         groups = senders(next(iter(live.values())))
         grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
                      for g in range(groups)}
+        issued, snaps = self._issue_apply(k, live, grad_refs, takers)
+        return StepResult(self._gather(issued, k, wait, live), snaps)
 
+    def _issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, dict]:
+        """The apply calls: host h takes grad_refs[h] (a sharded layout) or
+        grad_refs[0]; a list is every host's."""
+        if isinstance(grad_refs, list):
+            grad_refs = {0: grad_refs}
         issued, snaps = [], {}
         for s, sl in sorted(live.items()):
             per_host = senders(sl) > 1
@@ -168,7 +281,7 @@ class StepRunner:
                 issued.append((s, h, m_ref, lambda call=call: call()[0]))
             if parts:
                 snaps[s] = tuple(parts) if per_host else parts[0]
-        return StepResult(self._gather(issued, k, wait, live), snaps)
+        return issued, snaps
 
     def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping, finished: Optional[set] = None) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice.
@@ -199,8 +312,12 @@ class StepRunner:
                     if finished is not None:
                         finished.add((s, h))
                 except rex.RayError as e:
+                    peer = self.locator.peer_failure(e, live, s, h, k)
+                    if peer is not None:
+                        raise peer from None
                     kind = self.locator.classify_call(e, live, s, h)
                     if kind is TRANSIENT:
+                        self._reissued += 1
                         pending[reissue()] = (s, h, reissue)
                         continue
                     raise failure(kind, self.locator.blame(s, kind, live), h, k, short(e)) from None
@@ -212,24 +329,31 @@ class StepRunner:
         to `fan_in` shards, else the top of the reduction tree over
         consecutive shards, reduced on the slices' workers of that host."""
         nodes = [(shard, [holder[shard]]) for shard in sorted(holder)]  # (key, refs holding it)
+        while len(nodes) > self.fan_in:
+            issued, boxes = self._tree_level(k, live, nodes, host)
+            self._gather(issued, k, wait, live)
+            nodes = [(key, [box[0]]) for key, box in boxes]  # a re-issued call's result
+        return list(dict.fromkeys(r for _, rs in nodes for r in rs))
+
+    def _tree_level(self, k: int, live: Mapping, nodes: list, host: int) -> tuple[list, list]:
+        """One level of the reduction tree: a reduce call per `fan_in`
+        consecutive nodes, round robin over the slices; returns the calls
+        and (first key, box holding the call's partial sum) per call."""
         reducers = sorted(live)
         fan = self.fan_in
-        while len(nodes) > fan:
-            issued, boxes = [], []
-            for j in range(0, len(nodes), fan):
-                group = nodes[j:j + fan]
-                keys = tuple(key for key, _ in group)
-                refs = list(dict.fromkeys(r for _, rs in group for r in rs))
-                s = reducers[(j // fan) % len(reducers)]
-                box: list = []
+        issued, boxes = [], []
+        for j in range(0, len(nodes), fan):
+            group = nodes[j:j + fan]
+            keys = tuple(key for key, _ in group)
+            refs = list(dict.fromkeys(r for _, rs in group for r in rs))
+            s = reducers[(j // fan) % len(reducers)]
+            box: list = []
 
-                def call(w=live[s].workers[host], keys=keys, refs=refs, box=box):
-                    status, partial = w.reduce.options(num_returns=2).remote(k, keys, *refs)
-                    box[:] = [partial]
-                    return status
+            def call(w=live[s].workers[host], keys=keys, refs=refs, box=box):
+                status, partial = w.reduce.options(num_returns=2).remote(k, keys, *refs)
+                box[:] = [partial]
+                return status
 
-                issued.append((s, host, call(), call))
-                boxes.append((keys[0], box))
-            self._gather(issued, k, wait, live)
-            nodes = [(key, [box[0]]) for key, box in boxes]
-        return list(dict.fromkeys(r for _, rs in nodes for r in rs))
+            issued.append((s, host, call(), call))
+            boxes.append((keys[0], box))
+        return issued, boxes

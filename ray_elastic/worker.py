@@ -306,7 +306,7 @@ class SliceWorker:
             for k, v in local.items()
         }
 
-    def compute_grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
+    def compute_grads(self, step: int, shards: tuple[int, ...], *after: Any) -> tuple[Optional[dict], Optional[dict]]:
         """Phase 1: the gradient of each assigned shard at the held state.
 
         `step` is the index of the step being taken: the state held is the
@@ -314,7 +314,8 @@ class SliceWorker:
         the controller may re-issue it. Returns (status, payload): the
         controller reads only the small status; the payload (the gradients)
         goes from here to the slices that reduce or apply it, never through
-        the driver.
+        the driver. `after`: ignored; a pipelined call passes the previous
+        step's apply reply, so that Ray runs it once that apply is done.
         """
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked for {step}")

@@ -40,6 +40,7 @@ class FakeBackend:
         self.steps_run: list[tuple[int, tuple]] = []
         self.partial_steps = False  # failures carry the survivors' finished gradients
         self.finished: list[tuple[int, tuple]] = []
+        self.aheads: list[tuple[int, object]] = []  # (step, the next step's assignment it was given)
 
     def start(self, s):
         self.retire(s)
@@ -56,7 +57,8 @@ class FakeBackend:
                 up.append(SliceUp(s, self.setup_s))
         return up
 
-    def run_step(self, k, slices, assignment, takers, deadline_s, on_issued):
+    def run_step(self, k, slices, assignment, takers, deadline_s, on_issued, ahead=None):
+        self.aheads.append((k, None if ahead is None else dict(ahead)))
         on_issued()
         self.clock.now += self.step_s
         for s in slices:
