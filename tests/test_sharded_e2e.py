@@ -59,7 +59,7 @@ def baseline(cluster, fsdp_factory):
     trainer, report = _run(fsdp_factory, _config(policy="pause"), cluster)
     assert report.steps_completed == STEPS and not report.failures
     assert report.losses[-1] < report.losses[0]
-    return trainer.final_state
+    return {"state": trainer.final_state, "losses": report.losses}
 
 
 def test_each_device_holds_a_quarter_of_every_sharded_parameter(baseline):
@@ -72,7 +72,7 @@ def test_each_device_holds_a_quarter_of_every_sharded_parameter(baseline):
     sharded = [i for i, spec in enumerate(specs) if "embed" in tuple(spec)]
     assert len(sharded) >= 10  # every weight of the model dimension
     seen = {}
-    for host, part in enumerate(baseline):
+    for host, part in enumerate(baseline["state"]):
         assert part["host"] == host
         for (tag, i, key), block in part["blocks"].items():
             if tag != "p":
@@ -98,7 +98,7 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     trainer, report = _run(fsdp_factory, _config(policy=policy), cluster, faults=(fault,))
     assert report.steps_completed == STEPS
     assert [f.kind for f in report.failures] == ["process_died"]
-    _assert_same_blocks(trainer.final_state, baseline)
+    _assert_same_blocks(trainer.final_state, baseline["state"])
 
 
 @pytest.mark.parametrize("policy", ["resize", "pause"])
@@ -114,7 +114,7 @@ def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, po
     trainer, report = _run(fsdp_factory, _config(policy=policy), cluster, faults=(fault,), on_event=on_event)
     assert report.steps_completed == STEPS
     assert [f.kind for f in report.failures] == ["node_died"]
-    _assert_same_blocks(trainer.final_state, baseline)
+    _assert_same_blocks(trainer.final_state, baseline["state"])
     # The replacement slice joined (under resize, before the end or not):
     # under pause it must have, and it loaded host to host (a worker handed
     # another host's blocks refuses them).
@@ -138,3 +138,23 @@ def test_driver_never_fetches_the_state(cluster, fsdp_factory, monkeypatch):
     assert report.steps_completed == STEPS and len(report.failures) == 1
     assert fetched == []
     assert trainer._snapshots._pinned_value is None
+
+
+def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_factory, baseline, tmp_path):
+    """Saved from slices of 2 hosts x 2 devices, resumed on slices of 1
+    host x 4 devices (the same fsdp=4 mesh over other processes): the run
+    continues with the losses of the uninterrupted one."""
+    from ray_elastic import CheckpointConfig
+
+    cluster.ensure_nodes(2 * HOSTS)
+    path = str(tmp_path / "ckpt")
+    first = ElasticTrainer(fsdp_factory, _config(policy="pause"), STEPS // 2,
+                           checkpoint=CheckpointConfig(path, save_every=STEPS // 2))
+    assert first.fit().steps_completed == STEPS // 2
+    wide = ElasticConfig(num_slices=2, slice=CpuSlice(hosts=1, devices_per_host=4), policy="pause",
+                         step_deadline_floor_s=5.0, timeout_s=180.0)
+    second = ElasticTrainer(fsdp_factory, wide, STEPS, checkpoint=CheckpointConfig(path, save_every=0))
+    report = second.fit()
+    assert report.steps_completed == STEPS
+    assert [e for e in second.report.events if e["event"] == "restore"][0]["step"] == STEPS // 2
+    np.testing.assert_allclose(report.losses[STEPS // 2:], baseline["losses"][STEPS // 2:], rtol=1e-5)
