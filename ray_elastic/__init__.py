@@ -24,6 +24,7 @@ from ray_elastic.faults import Fault
 from ray_elastic.metrics import MetricsCallback
 from ray_elastic.progress import ProgressCallback
 from ray_elastic.retry import elastic_retry
+from ray_elastic.layout import Layout
 from ray_elastic.program import TrainProgram
 from ray_elastic.report import FailureRecord, RunReport
 
@@ -38,6 +39,7 @@ __all__ = [
     "ElasticConfig",
     "ElasticTrainer",
     "TrainProgram",
+    "Layout",
     "Fault",
     "EventLog",
     "read_events",
