@@ -170,6 +170,10 @@ class ElasticConfig:
         failed slice's place at the next step boundary, and the failed
         slice's replacement becomes the new spare. Costs the spares'
         hardware for the whole run.
+    batch_shards: the shards of each step's global batch (default
+        num_slices, one per slice). Set it to the original run's value to
+        resume a checkpoint on another number of slices with the same data
+        and optimisation (each slice then computes several shards).
     compile_cache_dir: XLA's persistent compilation cache on each worker
         host; a replacement worker then loads the step program instead of
         compiling it (about 3.7 s to 0.9 s for the example model here).
@@ -191,6 +195,7 @@ class ElasticConfig:
     compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
     seed: int = 0
     spare_slices: int = 0
+    batch_shards: Optional[int] = None
 
     def __post_init__(self):
         _positive_int("num_slices", self.num_slices)
@@ -237,11 +242,22 @@ class ElasticConfig:
                 "batch_on_resize",
                 f"unknown mode {self.batch_on_resize!r}; use one of {BATCH_MODES}",
             )
+        if self.batch_shards is not None:
+            _positive_int("batch_shards", self.batch_shards)
+            if self.batch_on_resize == "shrink" and self.batch_shards != self.num_slices:
+                raise ConfigError("batch_shards", f"batch_on_resize='shrink' gives each slice its own shard, so "
+                                  f"batch_shards must equal num_slices={self.num_slices}; got {self.batch_shards}. "
+                                  "Use batch_on_resize='accumulate' (the default) or leave batch_shards unset")
         if not _count(self.spare_slices) or self.spare_slices < 0:
             raise ConfigError("spare_slices", f"must be an integer >= 0, got {self.spare_slices!r}")
         for name in ("step_deadline_floor_s", "step_deadline_factor", "first_step_deadline_s"):
             if not _number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def shards(self) -> int:
+        """Shards of each step's global batch."""
+        return self.num_slices if self.batch_shards is None else self.batch_shards
 
     @property
     def required_slices(self) -> int:

@@ -149,7 +149,7 @@ class ElasticTrainer:
         self._ckpt = None
         if checkpoint is not None:
             self._ckpt = CheckpointCoordinator(
-                checkpoint, {"seed": config.seed, "num_slices": config.num_slices}, self._event
+                checkpoint, {"seed": config.seed, "batch_shards": config.shards}, self._event
             )
         self._preemption = PreemptionWatcher()
         self._state: RunState = Running()
@@ -225,7 +225,7 @@ class ElasticTrainer:
 
         c = self.config
         return RayBackend(
-            c.slice, self._factory, c.seed, c.num_slices, run_name=self._run_name,
+            c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
         )
 
@@ -331,7 +331,7 @@ class ElasticTrainer:
     def _take_step(self) -> None:
         k, m = self.step, self.members
         t_start = self._clock()
-        assignment = assign_shards(m.live, self.config.num_slices, self.config.batch_on_resize)
+        assignment = assign_shards(m.live, self.config.shards, self.config.batch_on_resize)
         takers = self._snapshot_takers(k + 1)
 
         def fire_faults() -> None:
@@ -431,7 +431,7 @@ class ElasticTrainer:
         m, k = self.members, partial.step
         lost = [sh for s, shards in partial.assignment.items() if s not in partial.payloads for sh in shards]
         open_failure.steps_rewound = 0
-        open_failure.compute_redone = len(lost) / self.config.num_slices
+        open_failure.compute_redone = len(lost) / self.config.shards
         t_start = self._clock()
         try:
             result = m.backend.finish_step(partial, sorted(m.live), self._snapshot_takers(k + 1), self._deadline_s())

@@ -324,3 +324,11 @@ def test_tpu_invalid_accelerator(acc):
 def test_elastic_config_with_tpu_slice():
     cfg = ElasticConfig(num_slices=2, slice=TpuSlice(topology="4x4", accelerator_version="v6e"))
     assert cfg.slice.hosts == 4
+
+
+def test_batch_shards_default_and_checks():
+    assert ElasticConfig(num_slices=3).shards == 3
+    assert ElasticConfig(num_slices=1, batch_shards=2).shards == 2
+    assert_config_error("batch_shards", num_slices=2, batch_shards=0)
+    err = assert_config_error("batch_shards", num_slices=2, policy="resize", batch_on_resize="shrink", batch_shards=4)
+    assert "accumulate" in str(err)

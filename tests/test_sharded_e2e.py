@@ -140,21 +140,34 @@ def test_driver_never_fetches_the_state(cluster, fsdp_factory, monkeypatch):
     assert trainer._snapshots._pinned_value is None
 
 
-def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_factory, baseline, tmp_path):
-    """Saved from slices of 2 hosts x 2 devices, resumed on slices of 1
-    host x 4 devices (the same fsdp=4 mesh over other processes): the run
-    continues with the losses of the uninterrupted one."""
+@pytest.mark.parametrize("slices", [2, 1])
+def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_factory, baseline, sharded_checkpoint,
+                                                               slices):
+    """Saved from 2 slices of 2 hosts x 2 devices, resumed on 2 slices, or
+    on 1 (batch_shards=2: it computes both shards), of 1 host x 4 devices
+    (the same fsdp=4 mesh over other processes): the run continues with
+    the losses of the uninterrupted one."""
+    from ray_elastic import CheckpointConfig
+
+    cluster.ensure_nodes(slices)
+    wide = ElasticConfig(num_slices=slices, batch_shards=2, slice=CpuSlice(hosts=1, devices_per_host=4),
+                         policy="pause", step_deadline_floor_s=5.0, timeout_s=180.0)
+    resumed = ElasticTrainer(fsdp_factory, wide, STEPS,
+                             checkpoint=CheckpointConfig(sharded_checkpoint, save_every=0, save_at_end=False))
+    report = resumed.fit()
+    assert report.steps_completed == STEPS
+    assert [e for e in report.events if e["event"] == "restore"][0]["step"] == STEPS // 2
+    np.testing.assert_allclose(report.losses[STEPS // 2:], baseline["losses"][STEPS // 2:], rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(cluster, fsdp_factory, tmp_path_factory):
+    """A checkpoint of step STEPS/2, written by 2 slices x 2 hosts x 2 devices."""
     from ray_elastic import CheckpointConfig
 
     cluster.ensure_nodes(2 * HOSTS)
-    path = str(tmp_path / "ckpt")
+    path = str(tmp_path_factory.mktemp("sharded") / "ckpt")
     first = ElasticTrainer(fsdp_factory, _config(policy="pause"), STEPS // 2,
                            checkpoint=CheckpointConfig(path, save_every=STEPS // 2))
     assert first.fit().steps_completed == STEPS // 2
-    wide = ElasticConfig(num_slices=2, slice=CpuSlice(hosts=1, devices_per_host=4), policy="pause",
-                         step_deadline_floor_s=5.0, timeout_s=180.0)
-    second = ElasticTrainer(fsdp_factory, wide, STEPS, checkpoint=CheckpointConfig(path, save_every=0))
-    report = second.fit()
-    assert report.steps_completed == STEPS
-    assert [e for e in second.report.events if e["event"] == "restore"][0]["step"] == STEPS // 2
-    np.testing.assert_allclose(report.losses[STEPS // 2:], baseline["losses"][STEPS // 2:], rtol=1e-5)
+    return path

@@ -40,7 +40,7 @@ _RemoteWriter = ray.remote(CheckpointWriter)
 class CheckpointCoordinator:
     def __init__(self, config: CheckpointConfig, run_facts: dict, emit: Callable[..., None]):
         self.config = config
-        self.facts = run_facts  # seed, num_slices: must match on restore
+        self.facts = run_facts  # seed, batch_shards: must match on restore
         self._emit = emit
         self.store = CheckpointStore(config.path, keep=config.keep, retries=config.storage_retries, backoff_s=config.retry_backoff_s)
         self._writer = None
@@ -78,6 +78,8 @@ class CheckpointCoordinator:
             meta = self.store.read_meta(latest)
         except Exception as e:
             raise ConfigError("checkpoint.path", f"step {latest} under {self.config.path}: run facts unreadable: {e}") from None
+        if "batch_shards" not in meta and "num_slices" in meta:
+            meta = dict(meta, batch_shards=meta["num_slices"])  # written before batch_shards existed
         for key, value in self.facts.items():
             if key in meta and meta[key] != value:
                 raise ConfigError(
