@@ -27,9 +27,9 @@ step_s after the latest of its call, its worker's previous compute and its
 arguments (a pipelined call's argument is the worker's previous apply);
 reduce and apply are ready when their arguments are (their own work is
 negligible next to the gradients). A ref whose time is still to come is
-one of the returns of a call on `_Clock`, an async actor that sleeps until
-that time and returns; calls due at the same time (on a 2 ms grid) share
-one clock call with many returns, so the clock's own cost stays small. A
+the return of a call on `_Clock`, an async actor that sleeps until that
+time and returns the results (so the driver pays a real actor call's
+submission and reply for it, as it would with real workers). A
 call any of whose arguments failed fails too and changes no state, as a
 Ray task whose dependency failed never runs. The driver's work is then the
 step's wall time less step_s; the fakes' own share (`fake_s`: their
@@ -42,7 +42,6 @@ Used by `bench/scale.py` and its smoke test; never by a real run.
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any, Callable, Optional
 
@@ -91,17 +90,15 @@ def _tombstone():
 class _Clock:
     """Returns its arguments at a given wall-clock time."""
 
-    async def at(self, t: float, copies: int, *values):
+    async def at(self, t: float, *values):
         await asyncio.sleep(max(0.0, t - time.time()))
-        out = tuple(values) * copies
-        return out if len(out) > 1 else out[0]
+        return values if len(values) > 1 else values[0]
 
     def ping(self) -> bool:
         return True
 
 
-_GRID_S = 0.002  # ready times are rounded up to this, so calls due together share one clock call
-_POOL = 256  # refs per clock call
+_SOON_S = 0.001  # a ref due sooner than this is put at once
 
 
 def dead_ref():
@@ -158,10 +155,7 @@ class FakeWorker:
                 at = max([time.time(), *inputs])
                 if name == "compute_grads" and owner.step_s:
                     at = self.free_at = max(at, self.free_at) + owner.step_s
-                # What the controller reads of a timed call (apply's
-                # metrics, whether it carries a snapshot) keys its pool.
-                key = (name, repr(results[0]), results[1] is None) if name == "apply" else (name,)
-                refs = owner.refs_at(at, results, key)
+                refs = owner.refs_at(at, results)
             return refs[0] if num_returns == 1 else refs
         finally:
             self._owner.fake_s += time.perf_counter() - t0
@@ -255,7 +249,6 @@ class FakeSlices:
         self.clock_calls = 0
         self.started: list[int] = []
         self.ready: dict = {}  # ref handed out -> its modelled ready time (None: failed)
-        self._pools: dict = {}  # ready time -> refs of a clock call not handed out yet
         self._clock = None
         if self._pending_failures:
             _tombstone()  # made now, not on the first failure's clock
@@ -268,32 +261,25 @@ class FakeSlices:
         return type("FakeSlices", (cls,), {"fail": tuple(fail), "state_floats": state_floats, "step_s": step_s,
                                            "instances": []})
 
-    def refs_at(self, at: float, results: list, kind: tuple = ()) -> list:
-        """Refs of `results` that become ready at wall time `at`."""
-        if at <= time.time() + _GRID_S:
+    def refs_at(self, at: float, results: list) -> list:
+        """Refs of `results` that become ready at wall time `at`: ray.put
+        when that is now, else one call on the clock actor (a real actor
+        call, as a real worker's would be: the driver pays Ray's cost of
+        submitting it and of taking its reply)."""
+        if at <= time.time() + _SOON_S:
             refs = [ray.put(r) for r in results]
         else:
-            # The fakes never read what a timed ref holds, and the
-            # controller reads only metrics, which are the same on every
-            # slice for a step: a clock call's returns carry the first
-            # caller's results, handed out in turn to the calls due then.
-            at = math.ceil(at / _GRID_S) * _GRID_S
-            key = (at, len(results), kind)
-            pool = self._pools.get(key)
-            if not pool:
-                if self._clock is None:
-                    self._clock = _Clock.remote()
-                    ray.get(self._clock.ping.remote())
-                out = self._clock.at.options(num_returns=_POOL * len(results)).remote(at, _POOL, *results)
-                pool = self._pools[key] = list(out)
-                self.clock_calls += 1
-            refs, pool[:] = pool[:len(results)], pool[len(results):]
+            if self._clock is None:
+                self._clock = _Clock.remote()
+                ray.get(self._clock.ping.remote())
+            out = self._clock.at.options(num_returns=len(results)).remote(at, *results)
+            refs = [out] if len(results) == 1 else list(out)
+            self.clock_calls += 1
         for r in refs:
             self.ready[r] = at
-        if len(self.ready) > 200000:  # forget refs long past
+        if len(self.ready) > 100000:  # forget refs long past
             now = time.time()
             self.ready = {r: t for r, t in self.ready.items() if t is None or t > now - 60}
-            self._pools = {k: p for k, p in self._pools.items() if k[0] > now}
         return refs
 
     def _due(self, slice_id: int, host: int, step: int) -> bool:

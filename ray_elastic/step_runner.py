@@ -31,7 +31,9 @@ rather than their sum. Only pure calls are issued ahead; the next apply
 waits for the step boundary. Every apply depends on every gradient call of
 its step (non-sending hosts' empty payloads ride along as gates), so a
 step that fails applies nowhere: a failure loses only the step in flight,
-and the calls issued ahead of it are dropped.
+and the calls issued ahead of it are dropped (their results never read;
+no new gradient call is issued until they are over, so a worker never
+runs two gradient phases at once).
 """
 
 from __future__ import annotations
@@ -123,10 +125,24 @@ class StepRunner:
         self._ahead: Optional[_Issued] = None  # the next step, issued ahead
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
+        self._dropped: list = []  # status refs of gradient calls issued ahead and dropped
 
     def drop_ahead(self) -> None:
-        """Forget the calls issued ahead (their results are never read)."""
+        """Forget the calls issued ahead (their results are never read).
+        Their gradient calls may still run (after an apply that did
+        succeed): no new call is issued before they are over (`_settle`),
+        so a worker never runs two gradient phases at once (on a
+        multi-host slice their collectives could interleave)."""
+        if self._ahead is not None:
+            self._dropped += [ref for _, _, ref, _ in self._ahead.grads]
         self._ahead = None
+
+    def _settle(self, wait: "_Deadline") -> None:
+        """Wait (within the step's deadline) for dropped gradient calls to
+        end, whatever their outcome."""
+        if self._dropped:
+            ray.wait(self._dropped, num_returns=len(self._dropped), timeout=max(0.0, wait.at - self._clock()))
+            self._dropped = []
 
     def run(
         self,
@@ -144,29 +160,36 @@ class StepRunner:
         the next step's assignment, to issue its pure calls early (None:
         the step boundary may change the slices)."""
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
-        pre, self._ahead = self._ahead, None
-        if not self.pipeline or any(senders(sl) > 1 for sl in live.values()):
-            return self._run_in_phases(k, live, assignment, takers, wait, on_issued)
-        if pre is not None and pre.serves(k, live, assignment):
+        pre = self._ahead
+        if pre is not None and self.pipeline and pre.serves(k, live, assignment):
+            self._ahead = None
             self.steps_ahead += 1
         else:
+            self.drop_ahead()
+            self._settle(wait)
+            if not self.pipeline or any(senders(sl) > 1 for sl in live.values()):
+                return self._run_in_phases(k, live, assignment, takers, wait, on_issued)
             pre = self._issue(k, live, assignment)
         on_issued()
         applies, snaps = self._issue_apply(k, live, pre.tops, takers)
-        nxt = None
         if ahead is not None:
             after = {(s, h): ref for s, h, ref, _ in applies}
-            nxt = self._issue(k + 1, live, ahead, after)
+            self._ahead = self._issue(k + 1, live, ahead, after)
         reissued = self._reissued
-        self._gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
-        for level in pre.levels:
-            self._gather(level, k, wait, live)
+        try:
+            self._gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
+            for level in pre.levels:
+                self._gather(level, k, wait, live)
+            if self._reissued != reissued:
+                # A re-issued call's dependents hold its void ref: hand off again.
+                self.drop_ahead()
+                return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait)
+            result = StepResult(self._gather(applies, k, wait, live), snaps)
+        except BaseException:
+            self.drop_ahead()  # the step failed: what was issued after it is void
+            raise
         if self._reissued != reissued:
-            # A re-issued call's dependents hold its void ref: hand off again.
-            return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait)
-        result = StepResult(self._gather(applies, k, wait, live), snaps)
-        if self._reissued == reissued:
-            self._ahead = nxt
+            self.drop_ahead()  # issued after an apply call that was re-issued
         return result
 
     def _run_in_phases(self, k, live, assignment, takers, wait: "_Deadline", on_issued) -> StepResult:
@@ -220,6 +243,8 @@ class StepRunner:
         usual. The reduction is keyed by shard, so the result is bitwise
         the one a failure-free step gives."""
         k, wait = partial.step, _Deadline(self._clock() + deadline_s, deadline_s)
+        self.drop_ahead()
+        self._settle(wait)
         kept = {s: ref for s, ref in partial.payloads.items() if s in live}
         holder = {shard: kept[s] for s, shards in partial.assignment.items() if s in kept for shard in shards}
         missing = sorted(shard for shards in partial.assignment.values() for shard in shards if shard not in holder)
@@ -305,10 +330,14 @@ class StepRunner:
                 # phase costs O(slices), not one wait per slice.
                 more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
                 done += more
-            for ref in done:
+            try:  # one get for all of them; one by one only to sort an error
+                values = ray.get(done)
+            except rex.RayError:
+                values = None
+            for i, ref in enumerate(done):
                 s, h, reissue = pending.pop(ref)
                 try:
-                    out[(s, h)] = ray.get(ref)
+                    out[(s, h)] = ray.get(ref) if values is None else values[i]
                     if finished is not None:
                         finished.add((s, h))
                 except rex.RayError as e:

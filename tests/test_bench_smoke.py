@@ -90,6 +90,23 @@ def test_scale_tiny(cluster, tmp_path):
     _png(scale.chart(result, str(tmp_path / "scale.png")))
 
 
+def test_scale_pipelined_tiny(cluster):
+    """Fake slices with a set step time: pipelined dispatch issues steps
+    ahead, a failure while it does loses no step (resize), and the bench
+    compares it with pipelining off."""
+    from bench import scale
+
+    r = scale.measure(8, steps=12, failures=2, step_s=0.2, pipeline=True)
+    assert r["pipelined"] and r["steps_issued_ahead"] > 0
+    assert r["failures"] == 2 and r["steps_rewound"]["max"] == 0
+    result = scale.pipelined(sizes=[8], step_s=0.2, steps=8, log=lambda *a: None)
+    off, on = result["rows"]
+    assert not off["pipelined"] and off["steps_issued_ahead"] == 0
+    assert on["pipelined"] and on["steps_issued_ahead"] >= 6
+    assert on["step_wall_s"] > 0.15  # the clock is honoured: no step beats its compute by much
+    assert "| 8 | yes |" in scale.pipelined_table(result)
+
+
 def test_fake_slices_failure_is_actor_died(cluster):
     """The fake's failure is a real ActorDiedError from ray.get."""
     import ray
