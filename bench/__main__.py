@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|sharded] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -17,7 +17,11 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   bitwise equal (`--minutes`, `--policy pause|resize|both`);
 - ready: a replacement worker's placement to ready, per phase (process
   start, imports, JAX init, program, initial state, compile, first state
-  load), `--runs` replacements per variant.
+  load), `--runs` replacements per variant;
+- sharded: a >= 200 MB state sharded (FSDP) on 2 slices x 2 hosts: worker
+  peak memory against the replicated layout, the driver's memory as the
+  state grows 4x, step time against one plain jax.distributed job, and the
+  cross-slice bytes per host against the ring all-reduce bound.
 """
 
 from __future__ import annotations
@@ -37,15 +41,17 @@ def _csv(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready"))
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "sharded"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
-    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5)")
+    parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
+                             "sharded: alternated ray_elastic/plain rounds (quick 1, full 2)")
     parser.add_argument("--variants", type=_csv, default=None,
                         help="ready: comma-separated subset of variants (default all)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
-    parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size; soak: steps per run (skips the warm-up)")
+    parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size; soak: steps per run (skips the warm-up); "
+                             "sharded: steps per run (quick 6, full 20)")
     parser.add_argument("--fail-at", type=int, default=None, help="compare: step of the fault")
     parser.add_argument("--chaos-s", type=float, default=None, help="compare: chaos run length (quick 120, full 300)")
     parser.add_argument("--overhead-pairs", type=int, default=None,
@@ -107,6 +113,20 @@ def main(argv=None) -> int:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.out, "ready.md"), "w") as f:
             f.write(text + "\n")
+        return 0
+
+    if args.suite == "sharded":
+        from bench import sharded
+
+        cluster = start_cluster(sharded.SLICES * sharded.HOSTS, object_store_mb=sharded.OBJECT_STORE_MB)
+        try:
+            result = sharded.run(cluster, quick=args.quick, steps=args.steps, rounds=args.runs)
+        finally:
+            cluster.shutdown()
+        files = sharded.write(result, args.out)
+        print()
+        print(sharded.table(result))
+        print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
         return 0
 
     if args.suite == "detect":

@@ -88,6 +88,10 @@ class RayBackend:
     def hosts(self, slice_id: int) -> list[dict]:
         return self._up[slice_id].infos
 
+    def workers(self, slice_id: int) -> list:
+        """The worker actors of a live slice, in host order."""
+        return list(self._up[slice_id].workers)
+
     def node_alive(self, node_id: str) -> bool:
         return self.locator.probe.node_alive(node_id)
 

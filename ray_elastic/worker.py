@@ -80,6 +80,10 @@ class SliceWorker:
         self._state_lock = threading.Lock()
         self._init_lock = threading.Lock()
         self.params = self.opt_state = None
+        # Bytes of gradient blocks this host received from the other
+        # slices' hosts (its cross-slice exchange), per apply; read by
+        # `exchange_stats` (the sharded benchmark).
+        self._exchange = {"applies": 0, "bytes_from_other_slices": 0, "own_bytes": 0}
         # A preemption notice to this process (SIGTERM from the node's
         # shutdown, a kubelet, a spot reclaim): finish the step in hand and
         # tell the controller, which checkpoints and retires the slice at
@@ -331,7 +335,7 @@ class SliceWorker:
                 losses[shard] = float(np.asarray(loss.addressable_data(0)))
         if self.host != 0 and not self._sharded:
             return None, None  # host 0 speaks for the slice: the values are replicated
-        return {"loss": losses}, {"grads": grads, "loss": losses}
+        return {"loss": losses}, {"grads": grads, "loss": losses, "from_slice": self.slice_id}
 
     def reduce(self, step: int, keys: tuple[int, ...], *parts: Optional[dict]) -> tuple[dict, dict]:
         """One node of the controller's reduction tree: the in-order sum of
@@ -371,6 +375,7 @@ class SliceWorker:
             mean = self._jax.tree.map(self._replicate, mean)
         self.params, self.opt_state = self._update(self.params, self.opt_state, mean)
         self._step = step + 1
+        self._count_exchange(parts)
         losses = total["loss"]
         metrics = {
             "step": step + 1,
@@ -381,6 +386,28 @@ class SliceWorker:
             metrics["preempt_notice_at"] = self._sigterm_at
         self._last_apply = metrics
         return metrics
+
+    def _count_exchange(self, parts: tuple) -> None:
+        """Add this apply's gradient bytes: those of payloads computed by
+        other slices (what crossed slices to this host) and of its own."""
+        other = own = 0
+        for part in parts:
+            if not part or "grads" not in part:
+                continue  # a gate, or a reduction-tree partial
+            n = sum(_nbytes(g) for g in part["grads"].values())
+            if part.get("from_slice") == self.slice_id:
+                own += n
+            else:
+                other += n
+        self._exchange["applies"] += 1
+        self._exchange["bytes_from_other_slices"] += other
+        self._exchange["own_bytes"] += own
+
+    def exchange_stats(self) -> dict:
+        """Cross-slice exchange counters since start: applies, bytes of
+        gradient blocks received from other slices' hosts, bytes of this
+        slice's own payloads taken."""
+        return dict(self._exchange)
 
     # -- state -------------------------------------------------------------
 
@@ -469,6 +496,15 @@ class SliceWorker:
 
     def ping(self) -> bool:
         return True
+
+
+def _nbytes(tree) -> int:
+    """Bytes of the arrays in a payload's gradient (nested dicts, lists of arrays)."""
+    if isinstance(tree, dict):
+        return sum(_nbytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_nbytes(v) for v in tree)
+    return int(np.asarray(tree).nbytes)
 
 
 def _full(sharding, tree):
