@@ -25,9 +25,10 @@ class SliceUp:
 
 
 class SliceBackend(Protocol):
-    def start(self, slice_id: int) -> None:
+    def start(self, slice_id: int, new_group: bool = False) -> None:
         """Queue the slice's workers (a replacement reuses its placement
-        group); any workers it had are torn down first."""
+        group, unless `new_group`: the old one holds a bundle on a node
+        that does not answer); any workers it had are torn down first."""
 
     def poll(self, block_s: float = 0.0) -> list[SliceUp]:
         """Slices set up since the last poll, waiting up to block_s for

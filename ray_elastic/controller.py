@@ -402,8 +402,11 @@ class ElasticTrainer:
             self.members.live.discard(f.slice_id)
             self.members.backend.retire(f.slice_id)
             raise d.error from f
-        self.members.lose(f.slice_id)
-        self._event("replace", slice=f.slice_id)
+        # A silent (frozen) node keeps its bundle of the slice's placement
+        # group until Ray declares it dead: the replacement gets a new group.
+        new_group = bool(getattr(f, "node_silent", False))
+        self.members.lose(f.slice_id, new_group=new_group)
+        self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))
         try:
             self._reconcile()
         except SliceFailure as again:  # another slice went while we looked

@@ -231,11 +231,17 @@ class FailureLocator:
                 self.probe.ping(live[s].workers[h], 0.5)
             except rex.GetTimeoutError:
                 node = live[s].infos[h]["node_id"]
-                return failure(
+                silent = self._node_silent(node)
+                f = failure(
                     FailureKind.HUNG, s, h, step,
                     f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
-                    + ("does not answer either (frozen or cut off)" if self._node_silent(node) else "answers"),
+                    + ("does not answer either (frozen or cut off)" if silent else "answers"),
                 )
+                # The slice's placement group holds a bundle on that node
+                # until Ray declares it dead (minutes on Ray's defaults):
+                # its replacement needs a new group (controller).
+                f.node_silent = silent
+                return f
             except rex.RayError as e:
                 kind = self.classify_call(e, live, s, h)
                 if kind is not TRANSIENT:

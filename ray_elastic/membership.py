@@ -55,11 +55,15 @@ class Membership:
         self.live: set[int] = set()
         self._failed_joins = 0
 
-    def start(self, slice_id: int) -> None:
-        """Provision a slice, or a replacement for a failed one."""
+    def start(self, slice_id: int, new_group: bool = False) -> None:
+        """Provision a slice, or a replacement for a failed one (on a new
+        placement group: the old one is stuck on a silent node)."""
         self.live.discard(slice_id)
         self.ready.discard(slice_id)
-        self.backend.start(slice_id)
+        if new_group:
+            self.backend.start(slice_id, new_group=True)
+        else:
+            self.backend.start(slice_id)
         self.coming.add(slice_id)
 
     def poll(self, block_s: float = 0.0) -> None:
@@ -69,11 +73,11 @@ class Membership:
             extra = {"phases": dict(up.phases)} if getattr(up, "phases", None) else {}
             self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s, **extra)
 
-    def lose(self, slice_id: int) -> None:
+    def lose(self, slice_id: int, new_group: bool = False) -> None:
         """A live slice failed: tear it down and queue its replacement."""
         self.live.discard(slice_id)
         self.backend.retire(slice_id)
-        self.start(slice_id)
+        self.start(slice_id, new_group)
 
     def go_live(self, slices: set[int]) -> None:
         self.ready -= slices

@@ -39,11 +39,15 @@ class RayBackend:
 
     # -- provisioning -----------------------------------------------------
 
-    def start(self, slice_id: int) -> None:
+    def start(self, slice_id: int, new_group: bool = False) -> None:
         self.retire(slice_id)
+        if new_group and hasattr(self._slices, "abandon_group"):
+            self._slices.abandon_group(slice_id)
         self._coming[slice_id] = self._slices.start(slice_id)
 
     def poll(self, block_s: float = 0.0) -> list[SliceUp]:
+        if hasattr(self._slices, "reap_abandoned"):
+            self._slices.reap_abandoned()
         if block_s and self._coming:
             refs = [r for p in self._coming.values() for r in p.setup_refs]
             ray.wait(refs, num_returns=len(refs), timeout=block_s)

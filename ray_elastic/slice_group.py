@@ -71,6 +71,9 @@ class RaySlices:
         self._run_name = run_name
         self._pgs: dict[int, Any] = {}
         self._tpu_handles: dict[int, Any] = {}
+        self._generation: dict[int, int] = {}  # placement groups made per slice so far
+        self._abandoned: list = []  # groups left on a silent node, removed once Ray declares it dead
+        self._reaped_at = 0.0
 
     # -- placement groups -------------------------------------------------
 
@@ -78,7 +81,8 @@ class RaySlices:
         pg = self._pgs.get(slice_id)
         if pg is not None:
             return pg
-        name = f"{self._run_name}-slice{slice_id}"
+        generation = self._generation.get(slice_id, 0)
+        name = f"{self._run_name}-slice{slice_id}" + (f"-g{generation}" if generation else "")
         if isinstance(self.spec, TpuSlice):
             from ray.util.tpu import SlicePlacementGroup
 
@@ -163,6 +167,37 @@ class RaySlices:
             except Exception:  # already gone
                 pass
 
+    def abandon_group(self, slice_id: int) -> None:
+        """Give the slice a new placement group on its next start. The old
+        one holds a bundle on a node that does not answer (frozen, cut
+        off), which Ray frees only once its health checks declare the node
+        dead; removing the group now could let Ray place the new one on
+        that node. It is parked and removed once Ray reschedules it (the
+        node declared dead), so it never competes with the slices for new
+        nodes for long."""
+        pg = self._pgs.pop(slice_id, None)
+        self._generation[slice_id] = self._generation.get(slice_id, 0) + 1
+        handle = self._tpu_handles.pop(slice_id, None)
+        if pg is not None:
+            self._abandoned.append((pg, handle))
+
+    def reap_abandoned(self, every_s: float = 1.0) -> None:
+        """Remove parked groups whose silent node Ray has declared dead."""
+        if not self._abandoned or time.monotonic() - self._reaped_at < every_s:
+            return
+        self._reaped_at = time.monotonic()
+        keep = []
+        for pg, handle in self._abandoned:
+            try:
+                state = ray.util.placement_group_table(pg).get("state", "")
+            except Exception:
+                state = ""
+            if state in ("CREATED", "PREPARED"):
+                keep.append((pg, handle))  # its node still counts as alive
+            else:
+                _remove(pg, handle)
+        self._abandoned = keep
+
     def placement_group_state(self, slice_id: int) -> str:
         pg = self._pgs.get(slice_id)
         if pg is None:
@@ -171,6 +206,9 @@ class RaySlices:
         return table.get("state", "UNKNOWN")
 
     def shutdown(self) -> None:
+        for pg, handle in self._abandoned:
+            _remove(pg, handle)
+        self._abandoned = []
         for pg in self._pgs.values():
             try:
                 remove_placement_group(pg)
@@ -196,3 +234,15 @@ def _phases(setups: list) -> dict:
     if done:
         out["report"] = round(time.time() - max(done), 4)
     return out
+
+
+def _remove(pg, tpu_handle) -> None:
+    try:
+        remove_placement_group(pg)
+    except Exception:
+        pass
+    if tpu_handle is not None:
+        try:
+            tpu_handle.shutdown()
+        except Exception:
+            pass

@@ -41,10 +41,14 @@ class FakeBackend:
         self.partial_steps = False  # failures carry the survivors' finished gradients
         self.finished: list[tuple[int, tuple]] = []
         self.aheads: list[tuple[int, object]] = []  # (step, the next step's assignment it was given)
+        self.silent: set = set()  # (step, slice) failures whose node does not answer
+        self.new_groups: list[int] = []  # slices restarted on a new placement group
 
-    def start(self, s):
+    def start(self, s, new_group=False):
         self.retire(s)
         self.started.append(s)
+        if new_group:
+            self.new_groups.append(s)
         self.coming[s] = self.clock.now + self.setup_s
 
     def poll(self, block_s=0.0):
@@ -64,6 +68,7 @@ class FakeBackend:
         for s in slices:
             if (k, s) in self.fail_at:
                 f = failure(self.fail_at.pop((k, s)), s, 0, k, "injected")
+                f.node_silent = (k, s) in self.silent
                 if self.partial_steps:  # the others finished their gradients
                     f.partial = PartialStep(k, dict(assignment), {t: ("grads", t) for t in slices if t != s})
                 raise f
@@ -253,3 +258,19 @@ def test_spares_never_train_beyond_num_slices():
     report = trainer.fit()
     assert set(report.slices_per_step) == {2}
     assert all(len(sl) == 2 for _, sl in backend.steps_run)
+
+
+def test_a_silent_node_s_slice_is_replaced_on_a_new_placement_group():
+    """A hung slice whose node does not answer keeps its old group's bundle
+    there until Ray declares the node dead: its replacement starts on a new
+    group; a hang on a node that answers reuses the old one."""
+    config = ElasticConfig(num_slices=2, policy="pause")
+    trainer, backend = run(config, steps=12)
+    backend.fail_at[(3, 1)] = FailureKind.HUNG
+    backend.silent.add((3, 1))
+    backend.fail_at[(7, 0)] = FailureKind.HUNG
+    report = trainer.fit()
+    assert report.steps_completed == 12
+    assert backend.new_groups == [1]
+    replaces = [e for e in report.events if e["event"] == "replace"]
+    assert [(e["slice"], e.get("new_group", False)) for e in replaces] == [(1, True), (0, False)]

@@ -1,6 +1,12 @@
-"""One node loss under resize, in its own process on its own local cluster
-with the chosen health-check settings (Ray's defaults, or the tuned ones):
-prints the run report as JSON on its last line."""
+"""One node loss, in its own process on its own local cluster with the
+chosen health-check settings (Ray's defaults, or the tuned ones): prints
+the run report as JSON on its last line, plus what the driver saw.
+
+--fault freeze_node under --policy pause: the node is frozen (raylet and
+workers SIGSTOPped), a replacement node joins once the failure is detected
+(as an autoscaler would), and the JSON says whether Ray still counted the
+frozen node alive when the run recovered (the replacement did not wait for
+Ray's health checks)."""
 
 import argparse
 import functools
@@ -17,25 +23,42 @@ def main():
     p.add_argument("--health-checks", choices=("tuned", "default"), required=True)
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--fail-at", type=int, default=10)
+    p.add_argument("--fault", choices=("remove_node", "freeze_node"), default="remove_node")
+    p.add_argument("--policy", choices=("resize", "pause"), default="resize")
     a = p.parse_args()
+    import ray
+
     from examples import lm
     from ray_elastic import ElasticConfig, ElasticTrainer, Fault
     from ray_elastic.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=2, health_checks=a.health_checks)
+    seen: dict = {}
+
+    def freeze(node_id):
+        seen["frozen"] = node_id
+        cluster.freeze_node(node_id)
+
+    def on_event(e):
+        if e["event"] == "detected" and a.policy == "pause":
+            cluster.add_node()  # (Ray's Node must start from the main thread)
+        if e["event"] == "recovered" and "frozen" in seen:
+            alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+            seen["frozen_alive_at_recovery"] = bool(alive.get(seen["frozen"]))
+
     try:
         cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+        config = (ElasticConfig(num_slices=2, policy="resize", min_slices=1) if a.policy == "resize"
+                  else ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=5.0, timeout_s=240.0))
         trainer = ElasticTrainer(
-            functools.partial(lm.make_program, lm.LMConfig()),
-            ElasticConfig(num_slices=2, policy="resize", min_slices=1),
-            a.steps,
-            faults=(Fault("remove_node", 1, a.fail_at),),
-            remove_node=cluster.remove_node,
+            functools.partial(lm.make_program, lm.LMConfig()), config, a.steps,
+            faults=(Fault(a.fault, 1, a.fail_at),),
+            remove_node=cluster.remove_node, freeze_node=freeze, on_event=on_event,
         )
         report = trainer.fit()
     finally:
         cluster.shutdown()
-    print(json.dumps(report.to_dict()), flush=True)
+    print(json.dumps(dict(report.to_dict(), driver_saw=seen)), flush=True)
 
 
 if __name__ == "__main__":
