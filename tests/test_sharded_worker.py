@@ -1,5 +1,5 @@
-"""Sharded layouts inside one process (no Ray): the example LM's FSDP and
-FSDP x tensor-parallel layouts on 4 XLA CPU devices. The host-by-host
+"""Sharded layouts inside one process (no Ray): the example LM's FSDP x
+tensor-parallel layout on 4 XLA CPU devices. The host-by-host
 exchange gives bitwise the state one slice computing every shard gets;
 a host loads only blocks of its own index. Plus the Layout's validation.
 tests/test_sharded_e2e.py runs the same on a real multi-node cluster."""
@@ -19,7 +19,8 @@ from ray_elastic.layout import Layout
 DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "sharded_worker_driver.py")
 
 
-@pytest.fixture(scope="module", params=["fsdp", "fsdp_tp"])
+# FSDP alone runs on a real cluster in test_sharded_e2e.py; here FSDP x TP.
+@pytest.fixture(scope="module", params=["fsdp_tp"])
 def facts(request):
     out = subprocess.run([sys.executable, DRIVER, request.param], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
