@@ -329,8 +329,7 @@ class ElasticTrainer:
         return max(c.step_deadline_floor_s, c.step_deadline_factor * statistics.median(recent))
 
     def _take_step(self) -> None:
-        k, m = self.step, self.members
-        t_start = self._clock()
+        k, m, t_start = self.step, self.members, self._clock()
         assignment = assign_shards(m.live, self.config.shards, self.config.batch_on_resize)
         takers = self._snapshot_takers(k + 1)
 
