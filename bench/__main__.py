@@ -120,7 +120,8 @@ def main(argv=None) -> int:
 
         cluster = start_cluster(sharded.SLICES * sharded.HOSTS, object_store_mb=sharded.OBJECT_STORE_MB)
         try:
-            result = sharded.run(cluster, quick=args.quick, steps=args.steps, rounds=args.runs)
+            result = sharded.run(cluster, quick=args.quick, steps=args.steps, rounds=args.runs,
+                                 partial_path=os.path.join(args.out, "sharded.partial.json"))
         finally:
             cluster.shutdown()
         files = sharded.write(result, args.out)
