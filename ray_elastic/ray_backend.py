@@ -127,6 +127,7 @@ class RayBackend:
             raise StateLoadFailed(dead, short(e)) from None
 
     def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
+        self.runner.settle_applies(timeout_s=30.0)
         order = sorted(slices)
         try:
             held = ray.get([self._up[s].workers[0].held_step.remote() for s in order], timeout=30)

@@ -126,6 +126,7 @@ class StepRunner:
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
         self._dropped: list = []  # status refs of gradient calls issued ahead and dropped
+        self._applies: list = []  # the last step's apply calls (metric refs)
 
     def drop_ahead(self) -> None:
         """Forget the calls issued ahead (their results are never read).
@@ -306,7 +307,25 @@ class StepRunner:
                 issued.append((s, h, m_ref, lambda call=call: call()[0]))
             if parts:
                 snaps[s] = tuple(parts) if per_host else parts[0]
+        self._applies = [ref for _, _, ref, _ in issued]
         return issued, snaps
+
+    def settle_applies(self, timeout_s: float) -> None:
+        """After a failure, settle the step's apply calls before the
+        survivors say which step they hold (controller._reconcile): those
+        not started yet (still waiting for an input, which may sit on a
+        frozen node) are cancelled; those running end (up to timeout_s).
+        Pipelined, a survivor's apply may have had every input (the lost
+        slice had sent its gradients) and complete the step after the
+        failure; read before it, the survivor's step would be stale."""
+        applies, self._applies = self._applies, []
+        for ref in applies:
+            try:
+                ray.cancel(ref)
+            except Exception:  # already done, or its actor gone
+                pass
+        if applies:
+            ray.wait(applies, num_returns=len(applies), timeout=timeout_s)
 
     def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping, finished: Optional[set] = None) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice.
