@@ -70,6 +70,9 @@ def main(argv=None) -> int:
     parser.add_argument("--interval", type=lambda t: tuple(float(x) for x in _csv(t)), default=None,
                         help="soak: seconds between faults, MIN,MAX (default 20,60)")
     parser.add_argument("--max-faults", type=int, default=None, help="soak: at most this many faults per run")
+    parser.add_argument("--time-cap", action="store_true",
+                        help="soak: the first chaos run ends (all slices live) once --minutes have passed, and the "
+                        "later runs and the reference take the steps it completed (use with a generous --steps)")
     parser.add_argument("--no-reference", action="store_true",
                         help="soak: skip the failure-free reference run (and the bitwise check)")
     args = parser.parse_args(argv)
@@ -155,7 +158,7 @@ def main(argv=None) -> int:
         policies = soak.POLICIES if args.policy == "both" else (args.policy,)
         result = soak.run(args.minutes, policies, seed=args.seed, interval_s=interval, kinds=kinds,
                           steps=args.steps, reference=not args.no_reference, max_faults=args.max_faults,
-                          partial_path=os.path.join(args.out, "soak.partial.json"))
+                          partial_path=os.path.join(args.out, "soak.partial.json"), time_cap=args.time_cap)
         files = soak.write(result, args.out)
         print()
         print(soak.table(result))

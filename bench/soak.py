@@ -356,8 +356,12 @@ class _Chaos:
 
 def run_chaos(cluster, policy: str, steps: int, *, per_step_s: float, ckpt_path: Optional[str],
               seed: int = 0, interval_s: tuple = INTERVAL_S, kinds: Sequence[str] = KINDS,
-              max_faults: Optional[int] = None, factory=None, log=_print) -> tuple[dict, Optional[dict]]:
-    """One chaos run of `steps` steps; returns (figures, final state)."""
+              max_faults: Optional[int] = None, factory=None, log=_print,
+              cap_s: Optional[float] = None) -> tuple[dict, Optional[dict]]:
+    """One chaos run of `steps` steps; returns (figures, final state).
+    `cap_s`: end the run sooner, at the first step boundary after that many
+    seconds where every slice is live (so a run lasts its minutes whatever
+    the machine's speed; the reference then runs the steps it completed)."""
     from bench.compare import _markers, _recorder
     from ray_elastic import CheckpointConfig, ElasticTrainer
 
@@ -372,6 +376,16 @@ def run_chaos(cluster, policy: str, steps: int, *, per_step_s: float, ckpt_path:
     rec.hooks_step.append(chaos.on_step)
     error = None
     t0 = time.monotonic()
+
+    def cap(step: int, metrics: dict) -> None:
+        # The trainer's loop ends once its step count is reached: lowering
+        # it ends the run normally (final checkpoint, final state).
+        if cap_s is not None and time.monotonic() - t0 >= cap_s and step < trainer.steps and chaos.healed() \
+                and metrics["slices"] == SLICES:
+            log(f"    [{policy}] {cap_s / 60:.0f} min passed: the run ends at step {step}")
+            trainer.steps = step
+
+    rec.hooks_step.append(cap)
     try:
         trainer.fit()
     except Exception as e:  # noqa: BLE001 (reported, and a FAIL)
@@ -380,7 +394,7 @@ def run_chaos(cluster, policy: str, steps: int, *, per_step_s: float, ckpt_path:
         chaos.cleanup()
     log(f"    [{policy}] done in {time.monotonic() - t0:.0f} s{': ' + error if error else ''}")
     report = trainer.report
-    out = analyse(report, rec.steps, chaos, policy=policy, steps=steps, error=error)
+    out = analyse(report, rec.steps, chaos, policy=policy, steps=trainer.steps, error=error)
     out["markers"] = _markers(report.events) + [{"t": f["t"], "event": "fault"} for f in chaos.faults]
     out["markers"].sort(key=lambda m: m["t"])
     out["settings"].update(seed=seed, interval_s=list(interval_s), kinds=list(kinds),
@@ -558,7 +572,7 @@ def checks(result: dict) -> list[str]:
 def run(minutes: float = 30.0, policies: Sequence[str] = POLICIES, *, seed: int = 0,
         interval_s: tuple = INTERVAL_S, kinds: Sequence[str] = KINDS, steps: Optional[int] = None,
         warmup_steps: int = WARMUP_STEPS, reference: bool = True, max_faults: Optional[int] = None,
-        partial_path: Optional[str] = None, factory=None, log=_print) -> dict:
+        partial_path: Optional[str] = None, factory=None, log=_print, time_cap: bool = False) -> dict:
     """The soak: warm-up (unless `steps` is given), a chaos run per policy,
     the failure-free reference, the checks. Returns everything soak.json
     holds."""
@@ -598,7 +612,11 @@ def run(minutes: float = 30.0, policies: Sequence[str] = POLICIES, *, seed: int 
                 r, state = run_chaos(cluster, policy, steps, per_step_s=per_step,
                                      ckpt_path=f"gs://soak/{tag}-{policy}", seed=seed + i,
                                      interval_s=interval_s, kinds=kinds, max_faults=max_faults,
-                                     factory=factory, log=log)
+                                     factory=factory, log=log, cap_s=minutes * 60.0 if time_cap and i == 0 else None)
+                if time_cap and i == 0 and r["steps_completed"] < steps:
+                    # The later runs and the reference take the steps this one completed.
+                    steps = r["steps_completed"]
+                    result["settings"]["steps"] = steps
             finally:
                 cluster.shutdown()
             result["runs"][policy] = r
