@@ -113,7 +113,11 @@ def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, po
     fault = Fault("remove_node", slice_id=1, step=FAIL_AT, host=0)
     trainer, report = _run(fsdp_factory, _config(policy=policy), cluster, faults=(fault,), on_event=on_event)
     assert report.steps_completed == STEPS
-    assert [f.kind for f in report.failures] == ["node_died"]
+    # The removed node's workers die with it; on this loaded machine the
+    # driver sometimes sees a worker dead before the node's raylet stops
+    # taking connections (test_node_loss_e2e checks the kind on one-host
+    # slices). Either way the slice is lost and replaced.
+    assert [f.kind for f in report.failures] in (["node_died"], ["process_died"])
     _assert_same_blocks(trainer.final_state, baseline["state"])
     # The replacement slice joined (under resize, before the end or not):
     # under pause it must have, and it loaded host to host (a worker handed
