@@ -15,6 +15,7 @@ import time
 
 import psutil
 import pytest
+import ray
 
 from ray_elastic import ElasticConfig, ElasticTrainer, Fault
 
@@ -47,7 +48,13 @@ def test_frozen_node_is_located_and_its_stale_workers_never_rejoin(cluster, node
     def on_event(e):
         # Wake the node once the run has recovered without it.
         if e["event"] == "recovered" and "node" in frozen:
-            time.sleep(2.0)  # long enough for Ray to have marked it dead
+            # Wake it only once Ray has declared it dead (a second or two on
+            # the tuned health checks, longer on a loaded machine): a node
+            # woken before that is simply alive again.
+            deadline = time.monotonic() + 120
+            while any(n["NodeID"] == frozen["node"] and n["Alive"] for n in ray.nodes()):
+                assert time.monotonic() < deadline, "Ray never declared the frozen node dead"
+                time.sleep(0.5)
             cluster.thaw_node(frozen["node"])
             frozen["thawed_at"] = time.monotonic()
 
