@@ -82,10 +82,22 @@ def test_frozen_node_is_located_and_its_stale_workers_never_rejoin(cluster, node
     assert "thawed_at" in frozen
     # Woken, the node learns it was declared dead: its processes end.
     deadline = time.monotonic() + 60
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in frozen["pids"]):
-        assert time.monotonic() < deadline, "stale processes of the frozen node still run"
+    while running := _running(frozen["pids"]):
+        assert time.monotonic() < deadline, f"stale processes of the frozen node still run: {running}"
         time.sleep(0.5)
     nodes(2)  # leave the shared cluster whole for the next tests
+
+
+def _running(pids: list[int]) -> list[str]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(f"{pid} {p.name()} {p.status()}")
+        except psutil.NoSuchProcess:
+            pass
+    return out
 
 
 def test_frozen_node_under_pause_recovers_before_ray_declares_it_dead():
