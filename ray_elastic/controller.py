@@ -483,9 +483,9 @@ class ElasticTrainer:
     def _cold_start(self, step: int) -> None:
         """Resume a new run from the newest committed checkpoint."""
         m = self.members
-        ref = self._ckpt.restore_ref(step)
-        step = self._ckpt.restored_step  # older, if that step proved damaged
-        m.backend.load(sorted(m.live), ref, max(60.0, self.config.first_step_deadline_s))
+        timeout_s = max(60.0, self.config.first_step_deadline_s)
+        # Older than asked, if that step proved damaged.
+        step = self._ckpt.load_into(lambda source: m.backend.load(sorted(m.live), source, timeout_s), step)
         self.step = step
         self._step_durations = [0.0] * step  # steps done by an earlier run
         self._event("restore", source="checkpoint", step=step, cold_start=True)

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 from ray import exceptions as rex
 
 from ray_elastic.backend import SliceUp
-from ray_elastic.errors import RunFailed, StateLoadFailed
+from ray_elastic.checkpoint.host_writes import HostRestore
+from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
 from ray_elastic.failure_location import FailureLocator, RayProbe, short
 from ray_elastic.slice_group import LiveSlice, Provisioning, RaySlices
 from ray_elastic.step_runner import StepResult, StepRunner
@@ -116,12 +118,22 @@ class RayBackend:
 
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         self.runner.drop_ahead()
-        # A tuple is a sharded state, one part per host: host i loads the
-        # part of host i of the slice it came from.
-        refs = [w.load_state.remote(source[h] if isinstance(source, tuple) else source)
-                for s in slices for h, w in enumerate(self._up[s].workers)]
+        if isinstance(source, HostRestore):  # every host reads its own shards of a checkpoint
+            nonce = uuid.uuid4().hex
+            refs = [w.restore_checkpoint.remote(source.path, source.keep, source.step, f"{nonce}/{s}")
+                    for s in slices for w in self._up[s].workers]
+        else:
+            # A tuple is a sharded state, one part per host: host i loads
+            # the part of host i of the slice it came from.
+            refs = [w.load_state.remote(source[h] if isinstance(source, tuple) else source)
+                    for s in slices for h, w in enumerate(self._up[s].workers)]
         try:
             ray.get(refs, timeout=timeout_s)
+        except rex.RayTaskError as e:
+            if isinstance(getattr(e, "cause", None), CheckpointDamaged):
+                raise e.cause from None
+            dead = [s for s in slices if not _answers(self._up[s].workers)]
+            raise StateLoadFailed(dead, short(e)) from None
         except rex.RayError as e:
             dead = [s for s in slices if not _answers(self._up[s].workers)]
             raise StateLoadFailed(dead, short(e)) from None
@@ -152,6 +164,16 @@ class RayBackend:
 
     def attach_checkpoints(self, coordinator: Any, slice_id: int) -> None:
         coordinator.set_template(self._up[slice_id].workers[0])
+        if self._up[slice_id].per_host:  # sharded: the hosts write, not the writer actor
+            coordinator.use_hosts(self._save_on_hosts)
+
+    def _save_on_hosts(self, parts: tuple, path: str, keep: int, meta: dict, save_id: str) -> list:
+        """Host i of one set-up slice writes the snapshot part of host i,
+        with the other hosts of its slice (checkpoint/host_writes.py), on
+        its checkpoint thread, beside training. One ref per host."""
+        workers = self._up[min(self._up)].workers
+        return [w.save_checkpoint.options(concurrency_group="checkpoint").remote(path, keep, meta, save_id, parts[h])
+                for h, w in enumerate(workers)]
 
     def shutdown(self) -> None:
         for s in list(self._up) + list(self._coming):

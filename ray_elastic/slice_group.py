@@ -24,7 +24,8 @@ from ray_elastic.worker import SliceWorker
 
 __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
 
-_RemoteWorker = ray.remote(SliceWorker)
+# A sharded checkpoint's write runs on its own thread (host_writes.py).
+_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1})(SliceWorker)
 
 
 @dataclasses.dataclass

@@ -26,9 +26,11 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from ray_elastic.checkpoint.store import unflatten as _unflatten
 from ray_elastic.data import host_rows
 from ray_elastic.errors import ConfigError
 from ray_elastic.program import TrainProgram
+from ray_elastic.readiness import readiness_phases
 from ray_elastic.reduction import divided, reduce_pieces
 from ray_elastic.shards import from_local_blocks, local_blocks
 
@@ -258,41 +260,7 @@ class SliceWorker:
                 self.params = params
 
     def _phases(self, marks: list) -> dict:
-        """Seconds per readiness phase, in order:
-
-        - process_start: the driver creating the actor to this process
-          existing (negative: Ray reused or prestarted the process);
-        - actor_load: the process existing (or the creation, if later) to
-          this module imported: Python and Ray's worker starting, the
-          actor's class loaded;
-        - args_load: the constructor's arguments unpickled (the program
-          factory: its module's imports, jax, flax and optax for the
-          example) to the constructor running;
-        - queue: the constructor to `setup` starting (the calls before it);
-        - imports: jax and optax (the program's own, e.g. flax, count in
-          program_build);
-        - jax_init: jax.distributed (multi-host slices) and the backend;
-        - program_build: the program factory;
-        - initial_state: the step-0 state's functions lowered (its shapes);
-          the state itself is compiled and made when first needed (with
-          RAY_ELASTIC_EAGER_SETUP=1, as before: here);
-        - compile: the step's functions (grad, update, flatten), ahead of
-          time, through the persistent compile cache when it is set.
-        """
-        out: dict = {}
-        proc_at = _process_started_at()
-        if self._created_at is not None:
-            start = self._created_at
-            if proc_at is not None:
-                out["process_start"] = round(proc_at - self._created_at, 4)
-                start = max(proc_at, self._created_at)
-            loaded = max(_MODULE_AT, start)
-            out["actor_load"] = round(loaded - start, 4)
-            out["args_load"] = round(self._init_at - loaded, 4)
-        out["queue"] = round(marks[0][1] - self._init_at, 4)
-        for (_, a), (name, b) in zip(marks, marks[1:]):
-            out[name] = round(b - a, 4)
-        return out
+        return readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
 
     # -- one step, in two phases -------------------------------------------
 
@@ -459,14 +427,7 @@ class SliceWorker:
             if state.get("host", self.host) != self.host:
                 raise ValueError(f"host {self.host} of slice {self.slice_id} was handed host {state['host']}'s "
                                  "blocks: a sharded state loads host to host")
-            jax = self._jax
-            with self._state_lock, self._init_lock:
-                self.params = jax.tree.unflatten(self._p_def, from_local_blocks(state["blocks"], self._p_specs, "p"))
-                self.opt_state = jax.tree.unflatten(self._o_def,
-                                                    from_local_blocks(state["blocks"], self._o_specs, "o"))
-                self._step = int(state["step"])
-                self._last_apply = None
-            return self._step
+            return self._hold(self._from_blocks(state["blocks"]), int(state["step"]))
         if "flat" in state:  # an in-memory snapshot
             if self._unravel is not None:
                 params, opt_state = self._unravel(state["flat"])
@@ -486,6 +447,43 @@ class SliceWorker:
             self._step = int(state["step"])
             self._last_apply = None
         return self._step
+
+    def _from_blocks(self, blocks: dict) -> dict:
+        jax = self._jax
+        return {"params": jax.tree.unflatten(self._p_def, from_local_blocks(blocks, self._p_specs, "p")),
+                "opt_state": jax.tree.unflatten(self._o_def, from_local_blocks(blocks, self._o_specs, "o"))}
+
+    def _hold(self, state: dict, step: int) -> int:
+        with self._state_lock, self._init_lock:
+            self.params, self.opt_state, self._step = state["params"], state["opt_state"], step
+            self._last_apply = None
+        return step
+
+    # -- sharded checkpoints (checkpoint/host_writes.py) ----------------------
+
+    def _checkpoints(self, path: str, keep: int):
+        from ray_elastic.checkpoint.host_writes import HostCheckpoints
+
+        if getattr(self, "_ckpts", None) is None or self._ckpts.path != path:
+            self._ckpts = HostCheckpoints(path, keep, self.host, self.hosts)
+        return self._ckpts
+
+    def save_checkpoint(self, path: str, keep: int, meta: dict, save_id: str, part: dict) -> dict:
+        """Write `part` (the snapshot blocks of this host index, from any
+        slice) as step meta["step"], with the other hosts of this slice,
+        each its own shards. Runs on the actor's checkpoint thread."""
+        if int(part["step"]) != int(meta["step"]):
+            raise ValueError(f"asked to save step {meta['step']}, handed a snapshot of step {part['step']}")
+        return self._checkpoints(path, keep).save(int(meta["step"]), self._from_blocks(part["blocks"]), meta, save_id)
+
+    def restore_checkpoint(self, path: str, keep: int, step: int, nonce: str) -> int:
+        """Load committed `step` with the other hosts of this slice, each
+        reading its own shards onto this slice's layout."""
+        jax = self._jax
+        target = {"params": jax.tree.unflatten(self._p_def, self._p_specs),
+                  "opt_state": jax.tree.unflatten(self._o_def, self._o_specs)}
+        state, _ = self._checkpoints(path, keep).restore(step, target, nonce)
+        return self._hold(state, step)
 
     def state_template(self) -> dict:
         """The state's tree of shapes and dtypes (for checkpoints)."""
@@ -514,37 +512,3 @@ def _full(sharding, tree):
     if isinstance(sharding, jax.sharding.Sharding):
         return jax.tree.map(lambda _: sharding, tree)
     return sharding
-
-
-def _process_started_at() -> Optional[float]:
-    """This process's start on the wall clock, to the kernel's clock tick
-    (Linux: its start in ticks since boot, against CLOCK_BOOTTIME; psutil's
-    create_time rests on a boot time rounded to the second). None where
-    /proc is not there."""
-    try:
-        with open("/proc/self/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        started = int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: starttime
-        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - started)
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-
-
-def _unflatten(flat, template: dict) -> dict:
-    """The state tree of a flat snapshot buffer (`ravel_pytree((params,
-    opt_state))`: that tuple's leaf order, each leaf cast back to its
-    dtype), as host arrays; ray_elastic.checkpoint's `unflatten` does the
-    same for checkpoints."""
-    import jax
-
-    leaves, treedef = jax.tree.flatten((template["params"], template["opt_state"]))
-    flat = np.asarray(flat)
-    out, offset = [], 0
-    for leaf in leaves:
-        n = int(np.prod(leaf.shape, dtype=np.int64))
-        out.append(flat[offset:offset + n].reshape(leaf.shape).astype(leaf.dtype))
-        offset += n
-    if offset != flat.shape[0]:
-        raise ValueError(f"snapshot has {flat.shape[0]} values, the state needs {offset}")
-    params, opt_state = jax.tree.unflatten(treedef, out)
-    return {"params": params, "opt_state": opt_state}

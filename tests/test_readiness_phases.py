@@ -45,7 +45,7 @@ def test_process_start_is_on_the_wall_clock():
 
     import pytest
 
-    from ray_elastic.worker import _process_started_at
+    from ray_elastic.readiness import _process_started_at
 
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("no /proc")

@@ -173,5 +173,41 @@ def sharded_checkpoint(cluster, fsdp_factory, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("sharded") / "ckpt")
     first = ElasticTrainer(fsdp_factory, _config(policy="pause"), STEPS // 2,
                            checkpoint=CheckpointConfig(path, save_every=STEPS // 2))
-    assert first.fit().steps_completed == STEPS // 2
+    report = first.fit()
+    assert report.steps_completed == STEPS // 2
+    # Written by the hosts of one slice (host_writes.py), not the writer actor.
+    started = [e for e in report.events if e["event"] == "checkpoint_started"]
+    assert started and all(e.get("hosts") == HOSTS for e in started), started
     return path
+
+
+def test_each_host_writes_its_own_shards_and_plain_orbax_reads_them(sharded_checkpoint):
+    """Item 5 of the sharded-state issue: the hosts' own shard files, one
+    commit, and a checkpoint that plain Orbax restores (to whole numpy
+    arrays, on one process) with the checksums the hosts recorded."""
+    import os
+
+    import orbax.checkpoint as ocp
+
+    from ray_elastic.checkpoint import integrity
+
+    step = STEPS // 2
+    state_dir = os.path.join(sharded_checkpoint, str(step), "state")
+    names = set(os.listdir(state_dir))
+    assert {"ocdbt.process_0", "ocdbt.process_1", "commit_success.txt"} <= names or \
+        {"ocdbt.process_0", "ocdbt.process_1"} <= names, names
+    # Both hosts' files hold data (each wrote its half of every sharded leaf).
+    sizes = {p: sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(state_dir, p)) for f in fs)
+             for p in ("ocdbt.process_0", "ocdbt.process_1")}
+    assert all(v > 100_000 for v in sizes.values()), sizes
+    with open(os.path.join(sharded_checkpoint, str(step), integrity.ITEM, "metadata")) as f:
+        recorded = __import__("json").load(f)["arrays"]
+    assert recorded and all("sum32" in v for v in recorded.values())
+    meta = ocp.StandardCheckpointer().metadata(os.path.join(state_dir))
+    meta = getattr(meta, "item_metadata", meta)
+    import jax
+
+    target = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), meta)
+    restored = ocp.CheckpointManager(sharded_checkpoint).restore(
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))
+    assert integrity.check_arrays(step, restored.state, recorded) == len(recorded)

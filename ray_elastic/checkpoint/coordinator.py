@@ -1,5 +1,6 @@
-"""The driver's side of durable checkpoints: one writer actor, at most one
-save in flight, and what to do when a save fails.
+"""The driver's side of durable checkpoints: one writer actor (or, for a
+sharded state, the hosts of one slice: host_writes.py), at most one save
+in flight, and what to do when a save fails.
 
 Saves never block the step loop: the controller hands over a snapshot
 already in the object store and polls the result at step boundaries. A
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import uuid
 from typing import Any, Callable, Optional
 
 import ray
@@ -26,9 +28,10 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.checkpoint.config import CheckpointConfig
+from ray_elastic.checkpoint.host_writes import HostRestore
 from ray_elastic.checkpoint.store import STORAGE_ENV, CheckpointStore
 from ray_elastic.checkpoint.writer import CheckpointWriter
-from ray_elastic.errors import CheckpointStorageFailed, ConfigError, StorageError
+from ray_elastic.errors import CheckpointDamaged, CheckpointStorageFailed, ConfigError, StorageError
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -53,6 +56,10 @@ class CheckpointCoordinator:
         self.restored_step: Optional[int] = None  # what the last restore_ref delivered
         self.damaged: list[dict] = []  # steps found damaged and moved aside, this run
         self._intact: set[int] = set()  # steps whose files were checked in this run
+        # Sharded states: the hosts of a slice write their own shards
+        # (host_writes.py) through this (parts, path, keep, meta, save_id)
+        # -> one ref per host; None: the writer actor writes.
+        self._on_hosts: Optional[Callable[..., list]] = None
 
     # -- before anything is reserved ------------------------------------------
 
@@ -126,7 +133,36 @@ class CheckpointCoordinator:
                 self._writer = None
             self._warm_ref = None
 
+    def use_hosts(self, save_on_hosts: Callable[..., list]) -> None:
+        """A sharded state: saves and restores run on the slices' hosts,
+        each its own shards, so no process holds the whole state. The
+        writer actor is not needed (the rescue writes from the driver)."""
+        self._on_hosts = save_on_hosts
+        self.shutdown()
+
     # -- restore ----------------------------------------------------------------
+
+    def load_into(self, load: Callable[[Any], None], step: Optional[int]) -> int:
+        """Load committed `step` (default: the newest) into the live slices
+        through `load(source)` (the backend's load) and return the step
+        loaded: an older one where newer ones prove damaged, each reported
+        and moved aside. A sharded state is read by the hosts themselves
+        (source: a HostRestore)."""
+        if self._on_hosts is None:
+            load(self.restore_ref(step))
+            return self.restored_step
+        for s in reversed(self.store.committed_steps()):
+            if step is not None and s > step:
+                continue
+            try:
+                load(HostRestore(self.config.path, self.config.keep, s))
+            except CheckpointDamaged as d:
+                self._report_damage([self.store.mark_damaged(d)], resumes_from=None)
+                continue
+            self.restored_step = s
+            self._intact.add(s)
+            return s
+        raise StorageError(f"no intact committed checkpoint under {self.config.path}")
 
     def restore_ref(self, step: Optional[int] = None):
         """An object ref that resolves to the state of committed `step`
@@ -187,10 +223,14 @@ class CheckpointCoordinator:
 
     def submit(self, step: int, snapshot_ref, urgent: bool = False) -> None:
         meta = {**self.facts, "step": step, "time": time.time()}
-        if isinstance(snapshot_ref, tuple):  # a sharded state: one part per host
-            ref = self._writer_handle().save_parts.remote(step, self._template_ref, meta, urgent, *snapshot_ref)
-        else:
-            ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta, urgent)
+        if self._on_hosts is not None:  # a sharded state: its hosts write their own shards
+            if self.failed_in_a_row:
+                self.store.sweep()  # the failed save's half-written step
+            refs = self._on_hosts(snapshot_ref, self.config.path, self.config.keep, meta, uuid.uuid4().hex)
+            self._inflight = (step, refs, time.monotonic())
+            self._emit("checkpoint_started", step=step, hosts=len(refs))
+            return
+        ref = self._writer_handle().save.remote(step, snapshot_ref, self._template_ref, meta, urgent)
         self._inflight = (step, ref, time.monotonic())
         self._emit("checkpoint_started", step=step)
 
@@ -199,8 +239,9 @@ class CheckpointCoordinator:
         if self._inflight is None:
             return
         step, ref, t0 = self._inflight
-        done, _ = ray.wait([ref], timeout=block_s)
-        if not done:
+        refs = ref if isinstance(ref, list) else [ref]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=block_s)
+        if len(done) < len(refs):
             if time.monotonic() - t0 > self.config.save_timeout_s:
                 # The storage stopped answering: abandon the write (its
                 # half-written step is swept by the next save).
@@ -211,7 +252,12 @@ class CheckpointCoordinator:
         self._inflight = None
         try:
             info = ray.get(ref)
+            if isinstance(ref, list):  # the hosts' writes: host 0 committed the step
+                info = dict(info[0], hosts=len(info), bytes_per_host=[i["bytes_written"] for i in info])
         except rex.RayActorError as e:
+            if isinstance(ref, list):  # a host died mid-write: the step never committed
+                self._failed(step, f"a host of the writing slice died during the write ({type(e).__name__})")
+                return
             self._writer = None  # replaced on next use; its half-written step is swept then
             self._failed(step, f"the checkpoint writer died during the write ({type(e).__name__})")
             return

@@ -7,7 +7,8 @@ as silently wrong values (seen here). So every step carries two records,
 plain JSON that any tool can read:
 
 - `checksums`, an Orbax JSON item committed with the step (atomically): the
-  crc32 of every array's bytes, taken in memory before the write and
+  crc32 of every array's bytes (a sharded step: `sum32`, which the hosts
+  add up from their own shards), taken in memory before the write and
   checked after every restore. It catches a change anywhere between the
   writer's memory and the restored arrays.
 - `files.json`, written right after the commit: every file of the step with
@@ -36,7 +37,7 @@ from typing import Any, Optional
 from ray_elastic.errors import CheckpointDamaged, StorageError
 
 __all__ = [
-    "ITEM", "MANIFEST", "MARKER", "array_checksums", "check_arrays", "write_manifest",
+    "ITEM", "MANIFEST", "MARKER", "array_checksums", "sum32", "check_arrays", "write_manifest",
     "check_files", "mark_damaged", "read_marker", "is_damaged_name", "is_outage", "looks_corrupt",
     "file_in_error", "describe", "as_record", "recorded_arrays", "diagnose",
 ]
@@ -88,14 +89,54 @@ def _crc(a) -> str:
     return f"{zlib.crc32(a.view(np.uint8)):08x}"
 
 
-def array_checksums(tree) -> dict:
+def sum32(block: np.ndarray, index: tuple = (), shape: Optional[tuple] = None) -> int:
+    """Checksum of a block of an array: sum over its elements of (the
+    element's words, each times an odd constant) times (2 * the element's
+    flat position in the whole array + 1), modulo 2**32. Odd factors make
+    any single-bit change change the sum. `index`: the block's slices in
+    the whole array of `shape` (default: the block is the whole array).
+    Sharded steps record it (host_writes.py): it adds up over blocks, so
+    each host sums its own shards and no process needs a whole array."""
+    import numpy as np
+
+    a = np.ascontiguousarray(block)
+    shape = tuple(a.shape) if shape is None else tuple(shape)
+    size = a.dtype.itemsize
+    flat = a.reshape(-1)  # 0-d arrays cannot be viewed as other types
+    if size >= 4:
+        words = flat.view(np.uint32).reshape(a.shape + (size // 4,))
+    else:
+        words = flat.view({1: np.uint8, 2: np.uint16}[size]).astype(np.uint32).reshape(a.shape + (1,))
+    odd = (2 * np.arange(words.shape[-1], dtype=np.uint32) + 1)
+    value = np.sum(words * odd, axis=-1, dtype=np.uint32)
+    # Flat positions in the whole array, modulo 2**32, for this block.
+    pos = np.zeros((), dtype=np.uint32)
+    stride = 1
+    for d in reversed(range(len(shape))):
+        s = index[d] if d < len(index) else slice(None)
+        start = s.start or 0
+        stop = shape[d] if s.stop is None else s.stop
+        axis = np.arange(start, stop, dtype=np.uint64) * np.uint64(stride) % np.uint64(1 << 32)
+        pos = pos + axis.astype(np.uint32).reshape((-1,) + (1,) * (len(shape) - 1 - d))
+        stride *= shape[d]
+    weight = pos * np.uint32(2) + np.uint32(1)
+    return int(np.sum(value * weight, dtype=np.uint32))
+
+
+def array_checksums(tree, kind: str = "crc32") -> dict:
+    """{leaf name: checksum, shape, dtype} of whole arrays. `kind` "sum32"
+    is what sharded steps record (host_writes.py: it adds up over shards)."""
     import jax
     import numpy as np
 
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         a = np.asarray(leaf)
-        out[_name(path)] = {"crc32": _crc(a), "shape": list(a.shape), "dtype": str(a.dtype)}
+        if kind == "sum32":
+            value = f"{sum32(a):08x}"
+        else:
+            value = _crc(a)
+        out[_name(path)] = {kind: value, "shape": list(a.shape), "dtype": str(a.dtype)}
     return out
 
 
@@ -104,7 +145,7 @@ def check_arrays(step: int, tree, recorded: dict) -> int:
     saved; returns how many arrays were compared. Names present on one side
     only (a template with another structure) are not damage: the caller's
     restore fails on those by itself."""
-    got = array_checksums(tree)
+    got = array_checksums(tree, "sum32" if any("sum32" in v for v in recorded.values()) else "crc32")
     compared = 0
     for name, want in sorted(recorded.items()):
         have = got.get(name)
@@ -112,7 +153,7 @@ def check_arrays(step: int, tree, recorded: dict) -> int:
             continue
         compared += 1
         if have != want:
-            diff = ", ".join(f"{k} {have.get(k)} read, {want.get(k)} written" for k in ("crc32", "shape", "dtype") if have.get(k) != want.get(k))
+            diff = ", ".join(f"{k} {have.get(k)} read, {want.get(k)} written" for k in want if have.get(k) != want.get(k))
             raise CheckpointDamaged(step, "state", f"array {name}: {diff}")
     return compared
 

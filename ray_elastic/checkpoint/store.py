@@ -397,8 +397,8 @@ def assemble(parts, template) -> dict:
     """Whole arrays from the hosts' blocks of a sharded state (each part a
     host's `{"blocks": {(tag, leaf, block key): array}}`, as
     ray_elastic.shards keys them; tag "p" params, "o" optimizer state).
-    The single checkpoint writer uses it, so it holds the whole state while
-    it writes; per-host sharded saves would not."""
+    Only the rescue to local disk uses it (coordinator.py), when the
+    storage keeps failing: there the driver holds the whole state once."""
     import jax
     import numpy as np
 

@@ -1,10 +1,10 @@
 """The checkpoint writer: a Ray actor next to the driver that turns
 in-memory snapshots into committed Orbax steps, off the step loop.
 
-A replicated state comes from one slice's host 0; a sharded one as one part
-per host, assembled here into whole arrays (so this process holds the
-whole state while it writes). A writer killed mid-write is replaced like
-any failed worker (coordinator.py).
+It writes replicated states (from one slice's host 0); a sharded state is
+written by the hosts of a slice, each its own shards (host_writes.py), so
+no process holds it whole. A writer killed mid-write is replaced like any
+failed worker (coordinator.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import os
 from typing import Any, Optional
 
 from ray_elastic.checkpoint.cpu_priority import background_cpu
-from ray_elastic.checkpoint.store import CheckpointStore, _ocp, assemble, unflatten
+from ray_elastic.checkpoint.store import CheckpointStore, _ocp, unflatten
 
 __all__ = ["CheckpointWriter"]
 
@@ -61,14 +61,8 @@ class CheckpointWriter:
         info["escalated"] = cpu.escalated
         return info
 
-    def save_parts(self, step: int, template: Any, meta: dict, urgent: bool, *parts: dict) -> dict:
-        """`save` of a sharded state: one part per host (its own blocks)."""
-        return self.save(step, {"parts": list(parts)}, template, meta, urgent)
-
     def _save(self, step: int, snapshot: dict, template: Any, meta: dict) -> dict:
-        if "parts" in snapshot:
-            state = assemble(snapshot["parts"], template)
-        elif "flat" in snapshot:
+        if "flat" in snapshot:
             state = unflatten(snapshot["flat"], template)
         else:
             state = {"params": snapshot["params"], "opt_state": snapshot["opt_state"]}
