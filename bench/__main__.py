@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", type=_csv, default=None,
                         help="soak: comma-separated subset of fault kinds (default all six)")
     parser.add_argument("--interval", type=lambda t: tuple(float(x) for x in _csv(t)), default=None,
-                        help="soak: seconds between faults, MIN,MAX (default 20,60)")
+                        help="soak, compare's chaos: seconds between faults, MIN,MAX (default 20,60; compare 30,60)")
     parser.add_argument("--max-faults", type=int, default=None, help="soak: at most this many faults per run")
     parser.add_argument("--time-cap", action="store_true",
                         help="soak: the first chaos run ends (all slices live) once --minutes have passed, and the "
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
             result = compare.run(
                 cluster, quick=args.quick, runs=args.runs, systems=systems, scenarios=scenarios,
                 steps=args.steps, fail_at=args.fail_at, chaos_s=args.chaos_s,
-                overhead_pairs=args.overhead_pairs,
+                overhead_pairs=args.overhead_pairs, **({"chaos_interval_s": args.interval} if args.interval else {}),
             )
         finally:
             cluster.shutdown()
