@@ -88,7 +88,10 @@ def test_figures_from_events():
     assert [m["event"] for m in out["markers"]] == ["fault", "detect", "restart", "restore"]
 
 
+# Ray Train's start, restore and restart take about a minute here (the
+# longest test of the default run): kept out of it; `pytest -m slow` runs it.
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_raytrain_kill_smoke(cluster, nodes):
     pytest.importorskip("ray.train")  # the `bench` extra (ray[train])
     from bench.raytrain import run_raytrain

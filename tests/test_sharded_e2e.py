@@ -92,13 +92,27 @@ def test_each_device_holds_a_quarter_of_every_sharded_parameter(baseline):
 
 
 @pytest.mark.parametrize("policy", ["resize", "pause"])
-def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy):
+def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy, monkeypatch):
+    """...and the driver never materialises the state: no snapshot pin and
+    nothing fetched into the driver, even with one slice left (resize after
+    the kill, snapshots every step), but the final state this test asks for
+    (`keep_final_state`: one part per host, fetched after the last step)."""
+    from ray_elastic import ray_backend
+
     cluster.ensure_nodes(2 * HOSTS)
+    fetched = []
+    real = ray_backend.RayBackend.fetch
+    monkeypatch.setattr(ray_backend.RayBackend, "fetch", lambda self, ref, timeout_s=None: (
+        fetched.append((type(ref).__name__, trainer.step)), real(self, ref, timeout_s))[1])
     fault = Fault("kill", slice_id=1, step=FAIL_AT, host=1)
-    trainer, report = _run(fsdp_factory, _config(policy=policy), cluster, faults=(fault,))
+    trainer = ElasticTrainer(fsdp_factory, _config(policy=policy, snapshot_every=1), STEPS, faults=(fault,),
+                             keep_final_state=True)
+    report = trainer.fit()
     assert report.steps_completed == STEPS
     assert [f.kind for f in report.failures] == ["process_died"]
     _assert_same_blocks(trainer.final_state, baseline["state"])
+    assert fetched == [("tuple", STEPS)]  # only the final state, asked for by the test
+    assert trainer._snapshots._pinned_value is None
 
 
 @pytest.mark.parametrize("policy", ["resize", "pause"])
@@ -124,24 +138,6 @@ def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, po
     # another host's blocks refuses them).
     if policy == "pause":
         assert report.failures[0].recovered_s is not None
-
-
-def test_driver_never_fetches_the_state(cluster, fsdp_factory, monkeypatch):
-    """No snapshot pin, no state fetched into the driver, even with one
-    slice left (resize after a kill, no replacement yet)."""
-    from ray_elastic import ray_backend
-
-    cluster.ensure_nodes(2 * HOSTS)
-    fetched = []
-    real = ray_backend.RayBackend.fetch
-    monkeypatch.setattr(ray_backend.RayBackend, "fetch", lambda self, ref, timeout_s=None: (
-        fetched.append(type(ref).__name__), real(self, ref, timeout_s))[1])
-    fault = Fault("kill", slice_id=1, step=FAIL_AT, host=0)
-    trainer, report = _run(fsdp_factory, _config(policy="resize", snapshot_every=1), cluster,
-                           faults=(fault,), keep=False)
-    assert report.steps_completed == STEPS and len(report.failures) == 1
-    assert fetched == []
-    assert trainer._snapshots._pinned_value is None
 
 
 @pytest.mark.parametrize("slices", [2, 1])
