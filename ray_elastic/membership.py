@@ -16,7 +16,7 @@ import logging
 from typing import Any, Callable, Optional
 
 from ray_elastic.backend import SliceBackend
-from ray_elastic.errors import RunFailed, StateLoadFailed
+from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
 from ray_elastic.snapshots import SnapshotStore
 
 __all__ = ["Membership", "StateSource"]
@@ -114,6 +114,10 @@ class Membership:
         if source.ref is not None and new:
             try:
                 self.backend.load(new, source.ref, self._load_timeout_s)
+            except CheckpointDamaged as d:  # hosts reading a sharded step found it damaged
+                self.checkpoints.damaged_on_load(d)
+                self._failed_joins += 1
+                return False
             except StateLoadFailed as e:
                 if not e.dead:
                     self.snapshots.discard_latest()

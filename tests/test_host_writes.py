@@ -103,3 +103,29 @@ def test_a_host_that_dies_mid_save_leaves_no_committed_step(tmp_path):
     assert store.committed_steps() == []
     store.sweep()  # what the next save does first: the half-written step goes
     assert [s.name for s in store.steps()] == []
+
+
+def test_a_step_the_hosts_find_damaged_is_set_aside_and_the_join_retried():
+    """In a run (every slice lost, the newest checkpoint the source), the
+    hosts reading a sharded step find its arrays damaged: the step is moved
+    aside through the coordinator and the join reports failure, so the
+    controller takes the next source (the next-newest step)."""
+    from ray_elastic.checkpoint.host_writes import HostRestore
+    from ray_elastic.errors import CheckpointDamaged
+    from ray_elastic.membership import Membership, StateSource
+
+    class Backend:
+        def load(self, slices, source, timeout_s):
+            raise CheckpointDamaged(source.step, "state", "array params/w: sum32 1 read, 2 written")
+
+    class Checkpoints:
+        damaged: list = []
+
+        def damaged_on_load(self, d):
+            self.damaged.append((d.step, d.file))
+
+    ck = Checkpoints()
+    m = Membership(Backend(), snapshots=None, emit=lambda *a, **k: None, checkpoints=ck)
+    m.ready = {1}
+    assert m.join([1], StateSource("checkpoint", 20, HostRestore("/x", 3, 20))) is False
+    assert ck.damaged == [(20, "state")] and m.live == set() and m.ready == {1}

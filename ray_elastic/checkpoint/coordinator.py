@@ -157,7 +157,7 @@ class CheckpointCoordinator:
             try:
                 load(HostRestore(self.config.path, self.config.keep, s))
             except CheckpointDamaged as d:
-                self._report_damage([self.store.mark_damaged(d)], resumes_from=None)
+                self.damaged_on_load(d)
                 continue
             self.restored_step = s
             self._intact.add(s)
@@ -171,6 +171,13 @@ class CheckpointCoordinator:
         it anyway) so that `self.restored_step` says which step the ref
         holds; damaged steps are reported as `checkpoint_damaged` events.
         Raises StorageError if no intact committed step is left."""
+        if self._on_hosts is not None:
+            # A sharded state: the slices' hosts read their own shards
+            # (backend.load); a damaged step raises CheckpointDamaged there.
+            self.restored_step = step if step is not None else self.latest_committed()
+            if self.restored_step is None:
+                raise StorageError(f"no intact committed checkpoint under {self.config.path}")
+            return HostRestore(self.config.path, self.config.keep, self.restored_step)
         writer = self._writer_handle()
         try:
             ray.get(writer.pid.remote(), timeout=30)
@@ -192,6 +199,12 @@ class CheckpointCoordinator:
         if step is not None and info["step"] != step:
             log.error("checkpoint: asked to restore step %d, restored step %d (newer ones damaged)", step, info["step"])
         return state_ref
+
+    def damaged_on_load(self, damage: CheckpointDamaged) -> None:
+        """A step the hosts found damaged while reading it: moved aside and
+        reported, so the next restore takes the next-newest."""
+        self._intact.discard(damage.step)
+        self._report_damage([self.store.mark_damaged(damage)], resumes_from=None)
 
     def latest_committed(self) -> Optional[int]:
         """The newest committed step not found damaged. A step not checked
