@@ -922,7 +922,8 @@ def tables(result: dict) -> str:
     for key in ("chaos", "chaos_spare"):
         if result.get(key):
             lines += _chaos_lines(result[key])
-        lines += ["", "Chaos is run for ray_elastic resize only (the goal's setting); the peer runners "
+    if result.get("chaos") or result.get("chaos_spare"):
+        lines += ["", "Chaos is run for ray_elastic resize and for pause with a hot spare; the peer runners "
                       "inject one fault per run."]
     ovh = result.get("overheads")
     if ovh:
