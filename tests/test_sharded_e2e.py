@@ -140,17 +140,17 @@ def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, po
         assert report.failures[0].recovered_s is not None
 
 
-@pytest.mark.parametrize("slices", [2, 1])
+@pytest.mark.parametrize("slices,hosts", [(2, 1), (1, 1), (2, HOSTS)])
 def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_factory, baseline, sharded_checkpoint,
-                                                               slices):
+                                                               slices, hosts):
     """Saved from 2 slices of 2 hosts x 2 devices, resumed on 2 slices, or
     on 1 (batch_shards=2: it computes both shards), of 1 host x 4 devices
-    (the same fsdp=4 mesh over other processes): the run continues with
-    the losses of the uninterrupted one."""
+    (the same fsdp=4 mesh over other processes), or on the same layout:
+    the run continues with the losses of the uninterrupted one."""
     from ray_elastic import CheckpointConfig
 
-    cluster.ensure_nodes(slices)
-    wide = ElasticConfig(num_slices=slices, batch_shards=2, slice=CpuSlice(hosts=1, devices_per_host=4),
+    cluster.ensure_nodes(slices * hosts)
+    wide = ElasticConfig(num_slices=slices, batch_shards=2, slice=CpuSlice(hosts=hosts, devices_per_host=4 // hosts),
                          policy="pause", step_deadline_floor_s=5.0, timeout_s=180.0)
     resumed = ElasticTrainer(fsdp_factory, wide, STEPS,
                              checkpoint=CheckpointConfig(sharded_checkpoint, save_every=0, save_at_end=False))
