@@ -37,7 +37,12 @@ def _start(mode: str, pid: int, port: int, path: str) -> subprocess.Popen:
 
 
 def _result(p: subprocess.Popen, timeout: float = 120) -> dict:
-    out, err = p.communicate(timeout=timeout)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()  # SIGKILL: jax.distributed catches SIGTERM (its preemption notifier) and runs on
+        p.communicate()
+        raise
     assert p.returncode == 0, err[-3000:]
     return json.loads(out.strip().splitlines()[-1])
 
@@ -89,7 +94,11 @@ def test_a_host_that_dies_mid_save_leaves_no_committed_step(tmp_path):
     path = str(tmp_path / "ck")
     port = _port()
     p0, p1 = _start("die", 0, port, path), _start("die", 1, port, path)
-    p1.wait(timeout=120)
+    try:
+        p1.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        p0.kill(), p1.kill()
+        raise
     assert p1.returncode == 3  # died after the checksum rendezvous, before writing
     # Host 0 waits for host 1 at Orbax's barrier (or fails when the JAX
     # coordination service finds host 1 gone): nothing is committed.
