@@ -96,8 +96,8 @@ class _Issued:
     assignment: dict
     grads: list  # phase-1 calls
     payloads: dict  # slice -> {host: ref}
-    levels: list  # the reduction tree's calls, level by level
-    tops: list  # the refs every apply call takes
+    levels: list  # the reduction trees' calls, level by level
+    tops: dict  # sending host index -> the refs its apply calls take
 
     def serves(self, k: int, live: Mapping, assignment: Mapping) -> bool:
         """Issued for this very step, slices (the same workers) and shards."""
@@ -168,7 +168,7 @@ class StepRunner:
         else:
             self.drop_ahead()
             self._settle(wait)
-            if not self.pipeline or any(senders(sl) > 1 for sl in live.values()):
+            if not self.pipeline:
                 return self._run_in_phases(k, live, assignment, takers, wait, on_issued)
             pre = self._issue(k, live, assignment)
         on_issued()
@@ -221,20 +221,25 @@ class StepRunner:
         gathered); each gradient call waits for `after[(slice, host)]`."""
         grads, payloads = self._issue_grads(k, live, assignment, after)
         holder = self._holder(assignment, payloads)
-        leaves = {shard: [refs[0]] for shard, refs in holder.items()}
-        first = min(leaves)
-        for s in sorted(payloads):
-            # The payloads no apply would otherwise wait for (non-sending
-            # hosts', a slice without shards): gates, empty for the sum.
-            gates = [r for h, r in sorted(payloads[s].items()) if h > 0 or not assignment.get(s)]
-            leaves[min(assignment.get(s) or (first,))] += gates
-        nodes = sorted(leaves.items())
-        levels = []
-        while len(nodes) > self.fan_in:
-            level, boxes = self._tree_level(k, live, nodes, 0)
-            levels.append(level)
-            nodes = [(key, [box[0]]) for key, box in boxes]
-        tops = list(dict.fromkeys(r for _, rs in nodes for r in rs))
+        first = min(holder)
+        groups = senders(next(iter(live.values())))
+        levels, tops = [], {}
+        # One tree per sending host index: under a sharded layout host g's
+        # apply sums only host g's blocks (host i with host i).
+        for g in range(groups):
+            leaves = {shard: [refs[g]] for shard, refs in holder.items()}
+            for s in sorted(payloads):
+                # The payloads no apply would otherwise wait for (non-sending
+                # hosts', a slice without shards): gates, empty for the sum.
+                gates = [r for h, r in sorted(payloads[s].items())
+                         if (h == g and not assignment.get(s)) or (groups == 1 and h > 0)]
+                leaves[min(assignment.get(s) or (first,))] += gates
+            nodes = sorted(leaves.items())
+            while len(nodes) > self.fan_in:
+                level, boxes = self._tree_level(k, live, nodes, g)
+                levels.append(level)
+                nodes = [(key, [box[0]]) for key, box in boxes]
+            tops[g] = list(dict.fromkeys(r for _, rs in nodes for r in rs))
         return _Issued(k, dict(live), dict(assignment), grads, payloads, levels, tops)
 
     def finish(self, partial: PartialStep, live: Mapping, takers: frozenset, deadline_s: float) -> StepResult:
