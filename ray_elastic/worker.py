@@ -82,6 +82,7 @@ class SliceWorker:
         self._state_lock = threading.Lock()
         self._init_lock = threading.Lock()
         self.params = self.opt_state = None
+        self._ckpts = None  # this host's side of sharded checkpoints (host_writes.py), on first use
         # Bytes of gradient blocks this host received from the other
         # slices' hosts (its cross-slice exchange), per apply; read by
         # `exchange_stats` (the sharded benchmark).
@@ -464,7 +465,7 @@ class SliceWorker:
     def _checkpoints(self, path: str, keep: int):
         from ray_elastic.checkpoint.host_writes import HostCheckpoints
 
-        if getattr(self, "_ckpts", None) is None or self._ckpts.path != path:
+        if self._ckpts is None or self._ckpts.path != path:
             self._ckpts = HostCheckpoints(path, keep, self.host, self.hosts)
         return self._ckpts
 
