@@ -41,6 +41,7 @@ import threading
 import time
 
 from bench.common import ROOT, ensure_nodes
+from bench.memory import PeakSampler, status
 
 SLICES, HOSTS = 2, 2
 MB = 1024 * 1024
@@ -103,34 +104,18 @@ def state_bytes(config) -> dict:
     }
 
 
-def _rss(pid: int) -> dict:
-    """VmHWM (peak) and VmRSS of a process, and VmRSS's parts now (RssAnon:
-    private memory; RssShmem: shared memory mapped, e.g. Ray's object
-    store pages it touched), bytes; {} if it is gone."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith(("VmHWM:", "VmRSS:", "RssAnon:", "RssFile:", "RssShmem:")):
-                    name, value = line.split(":")
-                    out[name] = int(value.split()[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 class _DriverRss:
     """The driver's RSS, sampled in a thread: start, peak."""
 
     def __init__(self, period_s: float = 0.02):
         self.period_s = period_s
-        self.start = self.peak = _rss(os.getpid()).get("VmRSS", 0)
+        self.start = self.peak = status(os.getpid()).get("VmRSS", 0)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="bench-driver-rss")
 
     def _loop(self):
         while not self._stop.is_set():
-            self.peak = max(self.peak, _rss(os.getpid()).get("VmRSS", 0))
+            self.peak = max(self.peak, status(os.getpid()).get("VmRSS", 0))
             self._stop.wait(self.period_s)
 
     def __enter__(self):
@@ -140,7 +125,7 @@ class _DriverRss:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join()
-        self.end = _rss(os.getpid()).get("VmRSS", 0)
+        self.end = status(os.getpid()).get("VmRSS", 0)
         self.peak = max(self.peak, self.end)
 
 
@@ -166,13 +151,17 @@ def elastic_run(config, layout_name: str, steps: int, snapshot_every: int) -> di
             self.trainer = trainer
 
         def on_step(self, step, metrics):
+            t = self.trainer
+            if step == 1:  # from here on, as in the plain job: the steps, not start-up
+                seen["sampler"] = PeakSampler(
+                    lambda: [i["pid"] for s in sorted(t.members.live) for i in t.hosts(s)]).start()
             if step != steps:
                 return
-            t = self.trainer
+            peaks = seen["sampler"].stop()
             for s in sorted(t.members.live):
                 for h, info in enumerate(t.hosts(s)):
                     seen.setdefault("workers", []).append({"slice": s, "host": h, "pid": info["pid"],
-                                                           **_rss(info["pid"])})
+                                                           **status(info["pid"]), **peaks.get(info["pid"], {})})
                 stats = ray.get([w.exchange_stats.remote() for w in t.members.backend.workers(s)], timeout=60)
                 for h, st in enumerate(stats):
                     seen.setdefault("exchange", []).append({"slice": s, "host": h, **st})
@@ -233,6 +222,12 @@ def plain_run(config, steps: int, timeout_s: float = 900.0) -> dict:
         if os.path.exists(out):
             with open(out) as f:
                 result = json.load(f)
+            workers = []
+            for i in range(SLICES * HOSTS):
+                if os.path.exists(f"{out}.mem{i}"):
+                    with open(f"{out}.mem{i}") as f:
+                        workers.append(json.load(f))
+            result["workers"] = workers
         # Process 0 writes the results once every step is done; a late
         # process can still miss jax.distributed's 30 s shutdown barrier on
         # a loaded machine, which fails the job after the fact.
@@ -315,7 +310,8 @@ def run(cluster, quick: bool = False, steps: int = None, rounds: int = None, log
 def summarize(runs, sizes, cfgs, quick, steps, skip, snap, wall) -> dict:
     def peaks(key):
         first = runs[key][0]  # memory: the first run of each (a later one's workers are new processes too)
-        return [{k: w[k] for k in ("slice", "host", "VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem") if k in w}
+        return [{k: w[k] for k in ("slice", "host", "VmHWM", "VmRSS", "RssAnon", "RssFile", "RssShmem", "peak_VmRSS",
+                                   "peak_RssAnon", "peak_RssShmem", "samples") if k in w}
                 for w in first["workers"]]
 
     big, small_key = sizes["big"], ("quarter" if "quarter" in runs else "baseline")
@@ -326,6 +322,20 @@ def summarize(runs, sizes, cfgs, quick, steps, skip, snap, wall) -> dict:
         hwm = [w["VmHWM"] for w in ws]
         memory[key] = {"workers": ws, "max_peak": max(hwm), "median_peak": statistics.median(hwm),
                        "max_above_baseline": max(hwm) - base_peak}
+    # During the steps (sampled): private memory against the plain job's,
+    # which has the same XLA buffers and no object store.
+    plain_ws = sorted(runs["plain"][0].get("workers", []), key=lambda w: (w["slice"], w["host"]))
+    if plain_ws:
+        memory["plain"] = {"workers": [{k: w[k] for k in w if k != "process"} for w in plain_ws],
+                           "max_peak": max(w["VmHWM"] for w in plain_ws)}
+        el_ws = sorted(memory["sharded"]["workers"], key=lambda w: (w["slice"], w["host"]))
+        memory["steps"] = {
+            "sharded_private_max": max(w.get("peak_RssAnon", 0) for w in el_ws),
+            "sharded_store_max": max(w.get("peak_RssShmem", 0) for w in el_ws),
+            "plain_private_max": max(w.get("peak_RssAnon", 0) for w in plain_ws),
+            "private_above_plain_max": max(a.get("peak_RssAnon", 0) - b.get("peak_RssAnon", 0)
+                                           for a, b in zip(el_ws, plain_ws)),
+        }
     # Exchange: bytes from the other slice per apply, per host.
     exchange = []
     for e in runs["sharded"][0]["exchange"]:
@@ -366,6 +376,26 @@ def _mb(b) -> str:
     return f"{b / MB:.1f}"
 
 
+def _steps_memory(mem: dict, big: dict) -> list:
+    """Sampled peaks during the steps: a worker's private memory against
+    the plain job process's of the same slice and host, and the object
+    store's pages it had mapped."""
+    lines = ["Memory during the steps (sampled every 20 ms after step 1), MiB: private = RssAnon, "
+             "store = RssShmem (Ray's object store pages the worker mapped: its snapshot, the gradient payloads):", "",
+             "| slice | host | ray_elastic sharded: private | store | plain jax.distributed: private | "
+             "private above plain |", "|---|---|---|---|---|---|"]
+    el = sorted(mem["sharded"]["workers"], key=lambda w: (w["slice"], w["host"]))
+    for a, b in zip(el, mem["plain"]["workers"]):
+        pa, pb = a.get("peak_RssAnon", 0), b.get("peak_RssAnon", 0)
+        lines.append(f"| {a['slice']} | {a['host']} | {_mb(pa)} | {_mb(a.get('peak_RssShmem', 0))} | {_mb(pb)} | "
+                     f"{_mb(pa - pb)} |")
+    st = mem["steps"]
+    lines += ["", f"Largest private memory above the plain job's: {_mb(st['private_above_plain_max'])} MiB; "
+                  f"largest store share: {_mb(st['sharded_store_max'])} MiB; state per host "
+                  f"{_mb(big['host_state_bytes'])} MiB, gradient shard {_mb(big['host_grad_bytes'])} MiB.", ""]
+    return lines
+
+
 def table(r: dict) -> str:
     s, mem = r["sizes"], r["memory"]
     big = s["big"]
@@ -390,6 +420,8 @@ def table(r: dict) -> str:
                  f"{_mb(mem['replicated']['max_peak'] - base)} | | |")
     lines += ["", f"State per host: sharded {_mb(big['host_state_bytes'])} MiB (state / 2 hosts; the snapshot "
                   f"share is as much again), replicated {_mb(big['state_bytes'])} MiB.", ""]
+    if "steps" in mem:
+        lines += _steps_memory(mem, big)
     d = r["driver"]
     small = r["settings"]["driver_small"]
     lines += ["Driver RSS during fit (sharded), MiB:", "",

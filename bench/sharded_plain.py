@@ -12,7 +12,9 @@ fsdp) as ray_elastic splits them over slices and hosts).
     python -m bench.sharded_plain --process-id I --coordinator HOST:PORT \
         --config '{"seq_len": 16, ...}' --steps N --out FILE
 
-Process 0 writes {"step_times": [...], "losses": [...]} to --out.
+Process 0 writes {"step_times": [...], "losses": [...]} to --out, and
+every process its memory (peaks sampled from the end of step 0, as the
+ray_elastic run samples its workers) to --out.mem<process id>.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from bench.memory import PeakSampler, status  # noqa: E402 (after the path)
 
 SLICES, HOSTS = 2, 2
 
@@ -91,11 +95,18 @@ def main(argv=None) -> int:
 
     step_fn = jax.jit(train_step, out_shardings=(p_sh, o_sh, repl), donate_argnums=(0, 1))
     times, losses = [], []
+    sampler = None
     for step in range(args.steps):
         t0 = time.perf_counter()
         params, opt_state, loss = step_fn(params, opt_state, global_batch(step))
         losses.append(float(np.asarray(loss.addressable_data(0))))  # waits for the step
         times.append(time.perf_counter() - t0)
+        if step == 0:  # from here on, as the ray_elastic run samples its workers: the steps
+            sampler = PeakSampler(lambda: [os.getpid()]).start()
+    if sampler is not None and args.out:  # every process: its own memory
+        peaks = sampler.stop().get(os.getpid(), {})
+        with open(f"{args.out}.mem{args.process_id}", "w") as f:
+            json.dump({"process": args.process_id, "slice": slice_id, "host": host, **status(os.getpid()), **peaks}, f)
     if args.process_id == 0 and args.out:
         with open(args.out, "w") as f:
             json.dump({"step_times": times, "losses": losses}, f)

@@ -26,16 +26,17 @@ def block_key(index: tuple, shape: tuple) -> tuple:
     return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
 
 
-def local_blocks(leaves: Sequence[Any], copy: bool, tag: Any = None) -> dict:
+def local_blocks(leaves: Sequence[Any], tag: Any = None) -> dict:
     """{(tag, leaf index, block key): numpy block} for the distinct blocks
-    this process holds. `copy`: detach from the device buffers (needed when
-    they are donated to the next update while the blocks are still read)."""
+    this process holds: read-only views of the device buffers, no copy.
+    (XLA does not donate a buffer a view still reads, so a view stays
+    valid whatever runs next.)"""
     out: dict = {}
     for i, a in enumerate(leaves):
         for shard in a.addressable_shards:
             key = (tag, i, block_key(shard.index, a.shape))
             if key not in out:
-                out[key] = np.array(shard.data, copy=True) if copy else np.asarray(shard.data)
+                out[key] = np.asarray(shard.data)
     return out
 
 

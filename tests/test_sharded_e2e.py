@@ -20,6 +20,7 @@ pytestmark = pytest.mark.cluster
 
 STEPS = 8
 FAIL_AT = 3
+CKPT_AT = 5  # the failure-free run's one checkpoint, where the cold starts resume
 HOSTS, DEVICES = 2, 2
 
 
@@ -54,15 +55,34 @@ def _assert_same_blocks(a: list, b: list) -> None:
 
 
 @pytest.fixture(scope="module")
-def baseline(cluster, fsdp_factory):
+def baseline(cluster, fsdp_factory, tmp_path_factory):
+    """The failure-free run; it also writes the checkpoint of step
+    CKPT_AT that the cold-start tests resume from (a save changes nothing
+    in the run, so one run serves both)."""
+    from ray_elastic import CheckpointConfig
+
     cluster.ensure_nodes(2 * HOSTS)
-    trainer, report = _run(fsdp_factory, _config(policy="pause"), cluster)
+    path = str(tmp_path_factory.mktemp("sharded") / "ckpt")
+    trainer = ElasticTrainer(fsdp_factory, _config(policy="pause"), STEPS, keep_final_state=True,
+                             checkpoint=CheckpointConfig(path, save_every=CKPT_AT, save_at_end=False))
+    report = trainer.fit()
     assert report.steps_completed == STEPS and not report.failures
     # Pipelined dispatch (the default) runs sharded layouts too: each
     # host index's apply takes its own tree of host i's blocks.
     assert trainer.members.backend.runner.steps_ahead > 0
     assert report.losses[-1] < report.losses[0]
-    return {"state": trainer.final_state, "losses": report.losses}
+    return {"state": trainer.final_state, "losses": report.losses, "checkpoint": path, "events": report.events}
+
+
+@pytest.fixture(scope="module")
+def sharded_checkpoint(baseline):
+    """The checkpoint of step CKPT_AT, written by 2 slices x 2 hosts x 2
+    devices, and by the hosts of one slice (host_writes.py), not the
+    writer actor."""
+    started = [e for e in baseline["events"] if e["event"] == "checkpoint_started"]
+    assert [e["step"] for e in started] == [CKPT_AT]
+    assert all(e.get("hosts") == HOSTS for e in started), started
+    return baseline["checkpoint"]
 
 
 def test_each_device_holds_a_quarter_of_every_sharded_parameter(baseline):
@@ -159,25 +179,8 @@ def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_fac
                              checkpoint=CheckpointConfig(sharded_checkpoint, save_every=0, save_at_end=False))
     report = resumed.fit()
     assert report.steps_completed == STEPS
-    assert [e for e in report.events if e["event"] == "restore"][0]["step"] == STEPS // 2
-    np.testing.assert_allclose(report.losses[STEPS // 2:], baseline["losses"][STEPS // 2:], rtol=1e-5)
-
-
-@pytest.fixture(scope="module")
-def sharded_checkpoint(cluster, fsdp_factory, tmp_path_factory):
-    """A checkpoint of step STEPS/2, written by 2 slices x 2 hosts x 2 devices."""
-    from ray_elastic import CheckpointConfig
-
-    cluster.ensure_nodes(2 * HOSTS)
-    path = str(tmp_path_factory.mktemp("sharded") / "ckpt")
-    first = ElasticTrainer(fsdp_factory, _config(policy="pause"), STEPS // 2,
-                           checkpoint=CheckpointConfig(path, save_every=STEPS // 2))
-    report = first.fit()
-    assert report.steps_completed == STEPS // 2
-    # Written by the hosts of one slice (host_writes.py), not the writer actor.
-    started = [e for e in report.events if e["event"] == "checkpoint_started"]
-    assert started and all(e.get("hosts") == HOSTS for e in started), started
-    return path
+    assert [e for e in report.events if e["event"] == "restore"][0]["step"] == CKPT_AT
+    np.testing.assert_allclose(report.losses[CKPT_AT:], baseline["losses"][CKPT_AT:], rtol=1e-5)
 
 
 def test_each_host_writes_its_own_shards_and_plain_orbax_reads_them(sharded_checkpoint):
@@ -190,7 +193,7 @@ def test_each_host_writes_its_own_shards_and_plain_orbax_reads_them(sharded_chec
 
     from ray_elastic.checkpoint import integrity
 
-    step = STEPS // 2
+    step = CKPT_AT
     state_dir = os.path.join(sharded_checkpoint, str(step), "state")
     names = set(os.listdir(state_dir))
     assert {"ocdbt.process_0", "ocdbt.process_1", "commit_success.txt"} <= names or \

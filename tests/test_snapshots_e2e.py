@@ -37,14 +37,22 @@ def _assert_same_state(a, b, exact=True):
         np.testing.assert_allclose(x, y, rtol=1e-2, atol=2e-3)
 
 
-def test_every_worker_lost_restores_from_snapshot_on_surviving_node(nodes, lm_factory):
+@pytest.fixture(scope="module")
+def two_slice_ref(cluster, lm_factory):
+    """A failure-free run on 2 one-host slices: the reference of the tests
+    below (snapshot settings and slice shapes change no value)."""
+    cluster.ensure_nodes(2)
+    return _run(lm_factory, ElasticConfig(num_slices=2, policy="pause"))
+
+
+def test_every_worker_lost_restores_from_snapshot_on_surviving_node(nodes, lm_factory, two_slice_ref):
     """Slice 1's node goes and slice 0's worker is killed in the same step:
     no survivor holds the state, and one snapshot copy went with the node.
     The copy on slice 0's node (its object store outlives the process) must
     bring the run back, bitwise equal to a failure-free run."""
+    ref, _ = two_slice_ref
     cluster = nodes(2)
     config = ElasticConfig(num_slices=2, policy="pause", snapshot_every_replicated=1, step_deadline_floor_s=2.0)
-    ref, _ = _run(lm_factory, config)
     added = []
 
     def on_event(e):
@@ -93,12 +101,11 @@ def test_snapshots_off_loses_only_what_memory_held(nodes, lm_factory):
     assert any(e["event"] == "rewind" and e["to_step"] == 0 for e in report.events)
 
 
-def test_multi_host_multi_device_slices(nodes, lm_factory):
+def test_multi_host_multi_device_slices(nodes, lm_factory, two_slice_ref):
     """Two slices of two hosts with two devices each: a dead host fails its
     slice, the whole slice is rebuilt (a new JAX distributed group), and the
     run ends where a single-host run of the same seed ends."""
-    nodes(2)
-    ref, ref_report = _run(lm_factory, ElasticConfig(num_slices=2, policy="pause"))
+    ref, ref_report = two_slice_ref
     nodes(4)
     config = ElasticConfig(
         num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=2), policy="pause", step_deadline_floor_s=5.0,
