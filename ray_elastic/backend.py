@@ -53,7 +53,8 @@ class SliceBackend(Protocol):
         StateLoadFailed naming the slices that died meanwhile."""
 
     def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
-        """The step each slice's state is at, or a SliceFailure."""
+        """The step each slice's state is at (-1 for a slice whose hosts
+        hold different steps), or a SliceFailure."""
 
     def locate(self, slices: Sequence[int], step: int, cause: BaseException) -> Any:
         """The SliceFailure behind a failed call to several slices: the

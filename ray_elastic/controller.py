@@ -370,9 +370,8 @@ class ElasticTrainer:
             cb.on_step(self.step, step_metrics)
 
     def _snapshot_takers(self, step: int) -> frozenset:
-        """The slices whose reply to this step carries a snapshot: two, so
-        that the copies sit in two failure domains. Every step while one
-        slice holds the state; less often while live replicas also do."""
+        """The slices whose reply to this step carries a snapshot: two (two
+        failure domains); every step while one slice holds the state."""
         c, live = self.config, self.members.live
         every = c.snapshot_every if len(live) < 2 else c.snapshot_every_replicated
         due = (c.snapshot_every and step % every == 0) or self._checkpoint_due(step)
@@ -444,28 +443,29 @@ class ElasticTrainer:
         self._complete_step(k, result, t_start)
 
     def _reconcile(self) -> None:
-        """Bring the survivors to one common step after a failure mid-step.
-
-        A failure during the apply phase can leave some survivors one step
-        ahead of others. Keep the newer step where a complete snapshot of it
-        exists; otherwise roll everyone back to the newest snapshot.
-        """
+        """Bring the survivors to one common step after a failure mid-step
+        (during the apply phase some may have applied it, others not)."""
         m = self.members
         if not m.live:
             return
         held = m.backend.held_steps(sorted(m.live), self.step)
         steps = set(held.values())
-        if len(steps) == 1:
-            self._rewind_to(steps.pop())
-            return
-        latest = self._snapshots.latest_step()
-        target = max(steps) if latest == max(steps) else latest
-        if target is None:
-            target = min(steps)  # cannot happen with snapshots on; be safe
+        if len(steps) == 1 and -1 not in steps:
+            return self._rewind_to(steps.pop())
+        # A survivor ahead applied the whole step (an apply runs only with all
+        # its gradients): the others load its state (its snapshot, else its
+        # memory), nothing rolled back. No whole slice ahead: the snapshot.
+        newest, latest = max(steps), self._snapshots.latest_step()
         found = self._snapshots.restore_source(m.backend.node_alive) if latest is not None else None
+        if latest == newest and found is not None:
+            target, source = newest, found[1]
+        elif newest >= 0:
+            target, source = newest, m.backend.state(min(s for s in m.live if held[s] == newest))
+        else:
+            target, source = latest or 0, found[1] if found else None
         behind = [s for s in sorted(m.live) if held[s] != target]
         try:
-            m.backend.load(behind, found[1] if found else None, timeout_s=60)
+            m.backend.load(behind, source, timeout_s=60)
         except StateLoadFailed as e:
             raise m.backend.locate(sorted(m.live), self.step, e) from None
         self._rewind_to(target)

@@ -139,13 +139,21 @@ class RayBackend:
             raise StateLoadFailed(dead, short(e)) from None
 
     def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
-        self.runner.settle_applies(timeout_s=30.0)
         order = sorted(slices)
+        self.runner.settle_applies(timeout_s=30.0, slices=set(order))
         try:
-            held = ray.get([self._up[s].workers[0].held_step.remote() for s in order], timeout=30)
+            # Every host: under a sharded layout each host applies its own
+            # blocks, so a failure mid-apply may leave a slice's hosts apart.
+            held = ray.get([w.held_step.remote() for s in order for w in self._up[s].workers], timeout=30)
         except rex.RayError as e:
             raise self.locator.first_dead(e, self._live(order), step) from None
-        return dict(zip(order, held))
+        out, i = {}, 0
+        for s in order:
+            n = len(self._up[s].workers)
+            steps = set(held[i:i + n])
+            out[s] = steps.pop() if len(steps) == 1 else -1
+            i += n
+        return out
 
     def locate(self, slices: Sequence[int], step: int, cause: BaseException):
         """The SliceFailure behind a call to several slices that failed."""

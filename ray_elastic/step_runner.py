@@ -125,8 +125,8 @@ class StepRunner:
         self._ahead: Optional[_Issued] = None  # the next step, issued ahead
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
-        self._dropped: list = []  # status refs of gradient calls issued ahead and dropped
-        self._applies: list = []  # the last step's apply calls (metric refs)
+        self._dropped: list = []  # (slice, status ref) of gradient calls issued ahead and dropped
+        self._applies: list = []  # (slice, metrics ref) of the last step's apply calls
 
     def drop_ahead(self) -> None:
         """Forget the calls issued ahead (their results are never read).
@@ -135,15 +135,19 @@ class StepRunner:
         so a worker never runs two gradient phases at once (on a
         multi-host slice their collectives could interleave)."""
         if self._ahead is not None:
-            self._dropped += [ref for _, _, ref, _ in self._ahead.grads]
+            self._dropped += [(s, ref) for s, _, ref, _ in self._ahead.grads]
         self._ahead = None
 
-    def _settle(self, wait: "_Deadline") -> None:
-        """Wait (within the step's deadline) for dropped gradient calls to
-        end, whatever their outcome."""
-        if self._dropped:
-            ray.wait(self._dropped, num_returns=len(self._dropped), timeout=max(0.0, wait.at - self._clock()))
-            self._dropped = []
+    def _settle(self, wait: "_Deadline", live: Mapping) -> None:
+        """Wait (within the step's deadline) for the live slices' dropped
+        gradient calls to end, whatever their outcome. A lost slice's are
+        not waited for: its workers are gone or retired, and a call to a
+        worker on a lost node answers only once Ray declares the node dead
+        (tens of seconds on Ray's default health checks)."""
+        refs = [ref for s, ref in self._dropped if s in live]
+        self._dropped = []
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at - self._clock()))
 
     def run(
         self,
@@ -167,7 +171,7 @@ class StepRunner:
             self.steps_ahead += 1
         else:
             self.drop_ahead()
-            self._settle(wait)
+            self._settle(wait, live)
             if not self.pipeline:
                 return self._run_in_phases(k, live, assignment, takers, wait, on_issued)
             pre = self._issue(k, live, assignment)
@@ -250,7 +254,7 @@ class StepRunner:
         the one a failure-free step gives."""
         k, wait = partial.step, _Deadline(self._clock() + deadline_s, deadline_s)
         self.drop_ahead()
-        self._settle(wait)
+        self._settle(wait, live)
         kept = {s: ref for s, ref in partial.payloads.items() if s in live}
         holder = {shard: kept[s] for s, shards in partial.assignment.items() if s in kept for shard in shards}
         missing = sorted(shard for shards in partial.assignment.values() for shard in shards if shard not in holder)
@@ -312,25 +316,28 @@ class StepRunner:
                 issued.append((s, h, m_ref, lambda call=call: call()[0]))
             if parts:
                 snaps[s] = tuple(parts) if per_host else parts[0]
-        self._applies = [ref for _, _, ref, _ in issued]
+        self._applies = [(s, ref) for s, _, ref, _ in issued]
         return issued, snaps
 
-    def settle_applies(self, timeout_s: float) -> None:
+    def settle_applies(self, timeout_s: float, slices=None) -> None:
         """After a failure, settle the step's apply calls before the
         survivors say which step they hold (controller._reconcile): those
         not started yet (still waiting for an input, which may sit on a
-        frozen node) are cancelled; those running end (up to timeout_s).
-        Pipelined, a survivor's apply may have had every input (the lost
-        slice had sent its gradients) and complete the step after the
-        failure; read before it, the survivor's step would be stale."""
+        frozen node) are cancelled; those of `slices` (None: all) that run
+        end (up to timeout_s). Pipelined, a survivor's apply may have had
+        every input (the lost slice had sent its gradients) and complete the
+        step after the failure; read before it, the survivor's step would
+        be stale. The lost slice's own applies are not waited for: on a
+        lost node they answer only once Ray declares it dead."""
         applies, self._applies = self._applies, []
-        for ref in applies:
+        for _, ref in applies:
             try:
                 ray.cancel(ref)
             except Exception:  # already done, or its actor gone
                 pass
-        if applies:
-            ray.wait(applies, num_returns=len(applies), timeout=timeout_s)
+        wanted = [ref for s, ref in applies if slices is None or s in slices]
+        if wanted:
+            ray.wait(wanted, num_returns=len(wanted), timeout=timeout_s)
 
     def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping, finished: Optional[set] = None) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice.

@@ -229,6 +229,48 @@ def test_resize_completes_the_step_in_flight_on_the_survivors():
     assert report.losses == [1.0 / (k + 1) for k in range(12)]
 
 
+def _fail_mid_apply(backend, k: int, lost: int, held: dict) -> None:
+    """Step k fails on slice `lost` after some survivors applied it:
+    `held` sets the steps they are left at (-1: a slice whose hosts hold
+    different steps)."""
+    real = backend.run_step
+
+    def run_step(step, slices, *a, **kw):
+        if step == k and lost in slices:
+            backend.held.update(held)
+            raise failure(FailureKind.PROCESS_DIED, lost, 0, step, "injected mid-apply")
+        return real(step, slices, *a, **kw)
+
+    backend.run_step = run_step
+
+
+@pytest.mark.parametrize("held,redone", [({0: 6, 1: 5}, 0), ({0: 5, 1: -1}, 1)])
+def test_survivors_apart_after_a_failure_mid_apply_take_the_newest_whole_state(held, redone):
+    """Slice 2 dies mid-apply of step 5: slice 0 applied it and slice 1 did
+    not (nothing is redone), or slice 1's hosts are apart (no whole slice
+    applied it: step 5 is redone, as any step in flight without its
+    gradients). The slices behind load the newest state a whole slice holds
+    (its memory: the newest snapshot, of step 4, is older); nothing is
+    rolled back to the snapshot."""
+    trainer, backend = run(ElasticConfig(num_slices=3, policy="resize", snapshot_every_replicated=4), steps=10)
+    _fail_mid_apply(backend, 5, 2, held)
+    report = trainer.fit()
+    (f,) = report.failures
+    assert f.steps_rewound == redone and report.steps_completed == 10
+    assert not any(e["event"] == "rewind" for e in report.events)
+    newest = max(held.values())
+    assert [k for k, _ in backend.steps_run].count(newest) == 1  # the step after it, once
+
+
+def test_survivors_with_no_whole_state_go_back_to_the_snapshot():
+    trainer, backend = run(ElasticConfig(num_slices=3, policy="resize", snapshot_every_replicated=4), steps=10)
+    _fail_mid_apply(backend, 5, 2, {0: -1, 1: -1})
+    report = trainer.fit()
+    (f,) = report.failures
+    assert f.steps_rewound == 2 and report.steps_completed == 10  # back to step 4's snapshot
+    assert any(e["event"] == "rewind" and e["to_step"] == 4 for e in report.events)
+
+
 def test_pause_still_redoes_the_step_in_flight():
     trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=8)
     backend.partial_steps = True
