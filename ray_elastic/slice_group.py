@@ -11,6 +11,7 @@ so a replacement slice is simply new workers queued on the same group.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -26,6 +27,21 @@ __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
 
 # A sharded checkpoint's write runs on its own thread (host_writes.py).
 _RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1})(SliceWorker)
+
+# glibc's allocator, for every worker process (set at its start; a value
+# in the driver's environment wins). A worker's calls run on several
+# threads, each with its own malloc arena, and glibc raises its mmap
+# threshold after large frees, so the buffers of every step (XLA's, the
+# gradient sums, host copies) stayed allocated in each arena at their high-
+# water mark. Allocations of 1 MiB and more go straight to mmap and back to
+# the system on free, and two arenas serve all threads: a worker holding
+# 145 MiB of a sharded state peaked at ~660 MiB of private memory instead
+# of ~1030 MiB (`python -m bench sharded`), with no slower steps.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
+
+
+def worker_env(spec: SliceSpec) -> dict[str, str]:
+    return {**{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}, **spec.worker_env()}
 
 
 @dataclasses.dataclass
@@ -112,7 +128,7 @@ class RaySlices:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host
             ),
-            "runtime_env": {"env_vars": self.spec.worker_env()},
+            "runtime_env": {"env_vars": worker_env(self.spec)},
         }
         if "GPU" in bundle:
             opts["num_gpus"] = bundle.pop("GPU")

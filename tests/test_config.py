@@ -332,3 +332,18 @@ def test_batch_shards_default_and_checks():
     assert_config_error("batch_shards", num_slices=2, batch_shards=0)
     err = assert_config_error("batch_shards", num_slices=2, policy="resize", batch_on_resize="shrink", batch_shards=4)
     assert "accumulate" in str(err)
+
+
+def test_workers_get_the_allocator_settings(monkeypatch):
+    """Every worker process starts with glibc's large allocations on mmap
+    and two arenas (slice_group.MALLOC_ENV); the driver's environment wins."""
+    from ray_elastic.slice_group import MALLOC_ENV, worker_env
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = worker_env(CpuSlice(devices_per_host=2))
+    assert {k: env[k] for k in MALLOC_ENV} == {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
+    assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert worker_env(GpuSlice())["MALLOC_ARENA_MAX"] == "4"
+    assert worker_env(GpuSlice())["JAX_PLATFORMS"] == "cuda"

@@ -261,6 +261,12 @@ def test_pause_with_a_hot_spare_takes_the_failed_slices_place(nodes, lm_factory,
         # Training starts without waiting for its spares; on a loaded
         # machine the spare may still be compiling at step FAIL_AT. Hold the
         # run at its start until the spare is up, so the fault finds it.
+        if e["event"] == "start":
+            # Every worker process runs with the allocator settings
+            # (slice_group.MALLOC_ENV), set at its start.
+            with open(f"/proc/{holder['trainer'].hosts(0)[0]['pid']}/environ", "rb") as f:
+                env = dict(x.split(b"=", 1) for x in f.read().split(b"\0") if b"=" in x)
+            holder["malloc"] = (env.get(b"MALLOC_ARENA_MAX"), env.get(b"MALLOC_MMAP_THRESHOLD_"))
         if e["event"] == "start" and not e["spares"]:
             m, deadline = holder["trainer"].members, time.monotonic() + 120
             while 2 not in m.ready and time.monotonic() < deadline:
@@ -279,5 +285,6 @@ def test_pause_with_a_hot_spare_takes_the_failed_slices_place(nodes, lm_factory,
     later_ready = [e for e in report.events if e["event"] == "slice_ready" and e["slice"] == 1 and e["t"] > start["t"]]
     assert not later_ready or later_ready[0]["t"] > grow["t"]
     assert set(report.slices_per_step) == {2} and report.spare_slices == 1
+    assert holder["malloc"] == (b"2", b"1048576")
     assert f.recovered_s is not None
     _assert_bitwise_equal(trainer.final_state, baseline)
