@@ -126,25 +126,6 @@ class ExternalNodes:
         names = {n for _, n in self.procs}
         return [x["NodeID"] for x in ray.nodes() if x.get("NodeName") in names and x["Alive"]]
 
-    def remove(self, node_id: str) -> bool:
-        """Take one of these nodes away at once (SIGKILL to its process
-        group: `ray start`, the raylet, its workers), as a lost machine
-        goes. False if `node_id` is not one of them."""
-        import signal
-
-        import ray
-
-        name = next((x.get("NodeName") for x in ray.nodes() if x["NodeID"] == node_id), None)
-        for proc, n in self.procs:
-            if n == name:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait(timeout=30)
-                return True
-        return False
-
     def stop_all(self, wait_s: float = 20.0) -> None:
         import signal
         import time
