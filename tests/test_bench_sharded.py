@@ -26,6 +26,13 @@ def test_sharded_bench_quick(cluster, tmp_path):
         assert len(mem[key]["workers"]) == 4
         assert all(w["VmHWM"] > 0 for w in mem[key]["workers"])
     assert mem["sharded"]["max_peak"] < mem["replicated"]["max_peak"]
+    # Sampled during the steps, in the workers and in the plain job's processes.
+    assert "private above plain" in text
+    assert len(mem["plain"]["workers"]) == 4
+    for w in mem["sharded"]["workers"] + mem["plain"]["workers"]:
+        assert w["samples"] > 0 and w["peak_RssAnon"] > 0
+    assert all(w["peak_RssShmem"] > 0 for w in mem["sharded"]["workers"])  # its snapshot, in the store
+    assert mem["steps"]["sharded_private_max"] > 0 and mem["steps"]["plain_private_max"] > 0
 
     big = result["sizes"]["big"]
     assert big["host_state_bytes"] < big["state_bytes"]
