@@ -223,29 +223,38 @@ class FailureLocator:
         return s
 
     def hung(self, candidates: list[tuple[int, int]], live: Mapping, step: int, deadline_s: float) -> SliceFailure:
-        """A step outlived its deadline: find the host that does not answer
-        a ping (the others of its slice are only blocked on it). Workers run
-        pings beside a step (slice_group: max_concurrency)."""
-        for s, h in sorted(set(candidates)):
+        """A step outlived its deadline: find the host that is dead, else
+        the one that does not answer a ping (the others of its slice are
+        only blocked on it). Every host of a waiting call's slice is asked,
+        not only the waiting ones: a host that finished its part and then
+        died leaves its peers blocked in a collective with it, and nothing
+        of its own still waiting. Workers run pings beside a step
+        (slice_group: max_concurrency)."""
+        suspects = sorted({(s, h) for s, _ in candidates for h in range(len(live[s].workers))})
+        quiet = None
+        for s, h in suspects:
             try:
                 self.probe.ping(live[s].workers[h], 0.5)
             except rex.GetTimeoutError:
-                node = live[s].infos[h]["node_id"]
-                silent = self._node_silent(node)
-                f = failure(
-                    FailureKind.HUNG, s, h, step,
-                    f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
-                    + ("does not answer either (frozen or cut off)" if silent else "answers"),
-                )
-                # The slice's placement group holds a bundle on that node
-                # until Ray declares it dead (minutes on Ray's defaults):
-                # its replacement needs a new group (controller).
-                f.node_silent = silent
-                return f
+                quiet = quiet or (s, h)
             except rex.RayError as e:
                 kind = self.classify_call(e, live, s, h)
                 if kind is not TRANSIENT:
                     return failure(kind, s, h, step, short(e))
+        if quiet is not None:
+            s, h = quiet
+            node = live[s].infos[h]["node_id"]
+            silent = self._node_silent(node)
+            f = failure(
+                FailureKind.HUNG, s, h, step,
+                f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
+                + ("does not answer either (frozen or cut off)" if silent else "answers"),
+            )
+            # The slice's placement group holds a bundle on that node until
+            # Ray declares it dead (minutes on Ray's defaults): its
+            # replacement needs a new group (controller).
+            f.node_silent = silent
+            return f
         s, h = min(candidates)
         return failure(FailureKind.HUNG, s, h, step, f"step did not finish within {deadline_s:.1f} s")
 

@@ -1,6 +1,8 @@
-"""FailureLocator.peer_failure: a collective error on one host of a
-multi-host slice is pinned on the peer that is gone (pure logic over a
-fake probe; tests/test_sharded_e2e.py removes a real node)."""
+"""FailureLocator: a collective error on one host of a multi-host slice
+is pinned on the peer that is gone (peer_failure), and a step past its
+deadline on the dead or silent host (hung): pure logic over a fake probe;
+tests/test_sharded_e2e.py removes a real node, test_snapshots_e2e.py kills
+a real host."""
 
 from __future__ import annotations
 
@@ -89,3 +91,35 @@ def test_every_peer_alive_means_the_program_s_own_error():
 @pytest.mark.parametrize("exc", [_task_error(ValueError("bad")), rex.ActorDiedError()])
 def test_other_errors_are_not_collective_failures(exc):
     assert _locator(_Probe(lost={"n01"})).peer_failure(exc, _live(), 0, 0, step=1) is None
+
+
+class _BusyProbe(_Probe):
+    """`busy` workers do not answer a ping in time."""
+
+    def __init__(self, busy=(), **kw):
+        super().__init__(**kw)
+        self.busy = set(busy)
+
+    def ping(self, worker, timeout_s):
+        if worker in self.busy:
+            raise rex.GetTimeoutError()
+        super().ping(worker, timeout_s)
+
+
+def test_a_step_past_its_deadline_blames_the_dead_peer_of_the_waiting_host():
+    """Host 1 of slice 1 did its part of the step, then died; host 0 waits
+    in a collective with it. Only host 0's call is still waiting, yet host 1
+    is the failure, found dead, not host 0 as hung."""
+    f = _locator(_Probe(dead={"w11"})).hung([(1, 0)], _live(), step=5, deadline_s=5.0)
+    assert (f.kind, f.slice_id, f.host) == (FailureKind.PROCESS_DIED, 1, 1)
+
+
+def test_a_dead_host_wins_over_a_host_that_does_not_answer():
+    f = _locator(_BusyProbe(busy={"w10"}, dead={"w11"})).hung([(1, 0)], _live(), step=5, deadline_s=5.0)
+    assert (f.kind, f.host) == (FailureKind.PROCESS_DIED, 1)
+
+
+def test_a_host_that_does_not_answer_is_the_hung_one():
+    f = _locator(_BusyProbe(busy={"w11"})).hung([(1, 0)], _live(), step=5, deadline_s=5.0)
+    assert (f.kind, f.slice_id, f.host) == (FailureKind.HUNG, 1, 1)
+    assert f.node_silent is False and "answers" in f.cause
