@@ -52,3 +52,23 @@ def gcs():
     server.make_bucket("ckpt")
     yield server
     server.stop()
+
+
+@pytest.fixture
+def gcs_outage_fails_fast(monkeypatch):
+    """gcsfs retries a refused connection 6 times, sleeping 1, 2, 4, 8 and
+    16 s between tries (its retry count is fixed when the class is made),
+    before it raises. A test of what an outage leaves behind needs the
+    error, not the wait: gcsfs's backoff sleeps are cut to 10 ms; the
+    outage (the server stopped), the tries and the error stay real."""
+    import asyncio
+    import types
+
+    import gcsfs.retry
+
+    real_sleep = asyncio.sleep
+
+    async def short_sleep(seconds, *args, **kwargs):
+        return await real_sleep(min(seconds, 0.01), *args, **kwargs)
+
+    monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": short_sleep}))

@@ -209,7 +209,7 @@ def test_step_without_checksums_still_restores(tmp_path, capsys):
     assert "ok (readable (no checksums recorded))" in capsys.readouterr().out
 
 
-def test_storage_outage_is_not_damage(gcs):
+def test_storage_outage_is_not_damage(gcs, gcs_outage_fails_fast):
     """A server that does not answer during a restore is an outage: an
     error, and no step is moved aside."""
     path = f"gs://ckpt/{uuid.uuid4().hex[:8]}"

@@ -164,7 +164,7 @@ def test_unwritable_local_path(tmp_path):
         CheckpointStore(str(blocker / "sub")).preflight()
 
 
-def test_failed_save_is_not_cached(gcs):
+def test_failed_save_is_not_cached(gcs, gcs_outage_fails_fast):
     """A save that failed while the server was away must not make later
     saves skip (a known failure elsewhere): each save starts afresh."""
     root = f"gs://ckpt/{uuid.uuid4().hex[:8]}"
