@@ -123,7 +123,7 @@ class FakeWorker:
     ActorDiedError."""
 
     _METHODS = ("info", "setup", "compute_grads", "reduce", "apply", "state", "flat_state", "load_state",
-                "held_step", "ping", "state_template", "coordinator_address")
+                "held_step", "ping", "state_template", "coordinator_address", "abort_waits")
 
     def __init__(self, owner: "FakeSlices", slice_id: int, host: int, hosts: int):
         self._owner = owner
@@ -144,7 +144,10 @@ class FakeWorker:
         try:
             if not self.dead and name == "compute_grads" and owner._due(self.slice_id, self.host, args[0]):
                 self.dead = True  # the worker "dies" during this call
-            inputs = [owner.ready.get(a, 0.0) for a in args if isinstance(a, ray.ObjectRef)]
+            # Refs passed as arguments, or in a list (apply and reduce fetch
+            # theirs in the call).
+            flat = [r for a in args for r in (a if isinstance(a, list) else [a])]
+            inputs = [owner.ready.get(a, 0.0) for a in flat if isinstance(a, ray.ObjectRef)]
             if self.dead or None in inputs:  # dead, or an argument failed: the call never runs
                 refs = [dead_ref() for _ in range(num_returns)]
                 for r in refs:
@@ -183,12 +186,12 @@ class FakeWorker:
         losses = {s: 1.0 / (1 + step) for s in shards}
         return {"loss": losses}, {"grads": grads, "loss": losses}
 
-    def _reduce(self, step: int, keys: tuple, *parts) -> tuple:
+    def _reduce(self, step: int, keys: tuple, parts: list, epoch: int = 0) -> tuple:
         # parts are refs: a real worker gets them resolved by Ray and sums
         # them; the fake never looks inside.
         return {"count": len(keys)}, {"key": keys[0], "sum": {"w": self._owner.grad}, "count": len(keys), "loss": {}}
 
-    def _apply(self, step: int, snapshot: bool, *parts) -> tuple:
+    def _apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0) -> tuple:
         # parts are refs (payloads or partial sums): a real worker gets them
         # resolved by Ray; the fake never looks inside.
         if self.step == step + 1 and self._last_apply is not None:
@@ -216,6 +219,9 @@ class FakeWorker:
 
     def _state_template(self) -> dict:
         return {"params": {"w": (self._owner.flat.shape, str(self._owner.flat.dtype))}, "opt_state": {}}
+
+    def _abort_waits(self, epoch: int) -> None:
+        return None  # a fake's inputs are never on a lost node
 
     def _held_step(self) -> int:
         return self.step

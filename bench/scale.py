@@ -212,19 +212,19 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
 
     @ray.remote(num_cpus=0)
     class Sink:
-        def apply(self, step, take, *parts):
+        def apply(self, step, take, parts, epoch=0):
             return None
 
-        def reduce(self, step, keys, *parts):
+        def reduce(self, step, keys, parts, epoch=0):
             return None
 
     sink = Sink.remote()
     try:
-        ray.get(sink.apply.remote(0, False))
+        ray.get(sink.apply.remote(0, False, []))
         refs = [ray.put(0.0) for _ in range(num_slices)]
         calls = calls or max(3, min(40, 4096 // num_slices))
         t0 = time.perf_counter()
-        out = [sink.apply.options(num_returns=1).remote(0, False, *refs) for _ in range(calls)]
+        out = [sink.apply.options(num_returns=1).remote(0, False, list(refs)) for _ in range(calls)]
         per_call = (time.perf_counter() - t0) / calls
         ray.get(out)
         reps = max(3, min(8, 4096 // num_slices))
@@ -232,9 +232,9 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
         for _ in range(reps):
             level = list(refs)
             while len(level) > APPLY_FAN_IN:
-                level = [sink.reduce.remote(0, (), *level[j:j + APPLY_FAN_IN])
+                level = [sink.reduce.remote(0, (), level[j:j + APPLY_FAN_IN])
                          for j in range(0, len(level), APPLY_FAN_IN)]
-            out = [sink.apply.options(num_returns=1).remote(0, False, *level) for _ in range(num_slices)]
+            out = [sink.apply.options(num_returns=1).remote(0, False, list(level)) for _ in range(num_slices)]
         per_step_tree = (time.perf_counter() - t0) / reps
         ray.get(out)
     finally:

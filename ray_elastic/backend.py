@@ -52,9 +52,11 @@ class SliceBackend(Protocol):
         """Load a state (a ref) into every host of these slices. Raises
         StateLoadFailed naming the slices that died meanwhile."""
 
-    def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
+    def held_steps(self, slices: Sequence[int], step: int, abort_waits: bool = False) -> dict[int, int]:
         """The step each slice's state is at (-1 for a slice whose hosts
-        hold different steps), or a SliceFailure."""
+        hold different steps), or a SliceFailure. `abort_waits`: the
+        lost slice's node is gone or silent, so its gradients may never
+        arrive: the survivors' calls still waiting for them give up."""
 
     def locate(self, slices: Sequence[int], step: int, cause: BaseException) -> Any:
         """The SliceFailure behind a failed call to several slices: the

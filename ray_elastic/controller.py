@@ -100,10 +100,8 @@ class ElasticTrainer:
     keep_final_state: fetch the final training state (host numpy arrays)
         into `self.final_state` before the workers are torn down.
     slices_backend: the class that provisions slices on Ray (default
-        RaySlices: placement groups and worker actors); the scale benchmark
-        passes simulated slices with the same methods.
-    backend: the whole cluster side (a SliceBackend), instead of Ray's;
-        tests drive the controller over a fake one.
+        RaySlices); the scale benchmark passes simulated slices.
+    backend: the whole cluster side (a SliceBackend); tests pass a fake.
     """
 
     def __init__(
@@ -406,7 +404,7 @@ class ElasticTrainer:
         self.members.lose(f.slice_id, new_group=new_group)
         self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))
         try:
-            self._reconcile()
+            self._reconcile(unreachable=f.kind.value in ("node_died", "hung"))
         except SliceFailure as again:  # another slice went while we looked
             self._open.append(open_failure)
             return self._recover(again)
@@ -442,13 +440,13 @@ class ElasticTrainer:
         self._event("step_completed_on_survivors", step=k + 1, shards_recomputed=len(lost))
         self._complete_step(k, result, t_start)
 
-    def _reconcile(self) -> None:
-        """Bring the survivors to one common step after a failure mid-step
-        (during the apply phase some may have applied it, others not)."""
+    def _reconcile(self, unreachable: bool) -> None:
+        """Bring the survivors to one common step after a failure mid-step (during
+        the apply phase some may have applied it; `unreachable`: its node is gone)."""
         m = self.members
         if not m.live:
             return
-        held = m.backend.held_steps(sorted(m.live), self.step)
+        held = m.backend.held_steps(sorted(m.live), self.step, abort_waits=unreachable)
         steps = set(held.values())
         if len(steps) == 1 and -1 not in steps:
             return self._rewind_to(steps.pop())
@@ -511,8 +509,10 @@ class ElasticTrainer:
 
     def _final_checkpoint(self) -> None:
         c = self._ckpt
-        if c is None or not c.config.save_at_end or not self.members.live:
+        if c is None or not self.members.live:
             return
+        if not c.config.save_at_end:  # a save in flight commits before the slices go
+            return c.poll(block_s=c.config.save_timeout_s)
         if not c.save_now(self.step, self._current_snapshot(), timeout_s=300.0):
             raise c.fail_with_rescue(self.step, self._current_snapshot(), self._run_name)
 

@@ -22,6 +22,7 @@ import ray
 from ray import exceptions as rex
 
 from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
+from ray_elastic.inputs import InputsAborted, InputsLost
 
 __all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "runtime_error", "short"]
 
@@ -162,7 +163,8 @@ class FailureLocator:
                 except (rex.ActorUnavailableError, rex.GetTimeoutError):
                     self._sleep(0.1)
             return FailureKind.NODE_DIED if self.node_lost(node_id) else FailureKind.HUNG
-        if isinstance(exc, (rex.ObjectLostError, rex.OwnerDiedError)):
+        if isinstance(exc, (rex.ObjectLostError, rex.OwnerDiedError)) or (
+                isinstance(exc, rex.RayTaskError) and isinstance(exc.cause, (InputsLost, InputsAborted))):
             # A gradient or snapshot held on a lost node: the node is gone.
             return FailureKind.NODE_DIED
         raise exc

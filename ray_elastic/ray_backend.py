@@ -138,9 +138,9 @@ class RayBackend:
             dead = [s for s in slices if not _answers(self._up[s].workers)]
             raise StateLoadFailed(dead, short(e)) from None
 
-    def held_steps(self, slices: Sequence[int], step: int) -> dict[int, int]:
+    def held_steps(self, slices: Sequence[int], step: int, abort_waits: bool = False) -> dict[int, int]:
         order = sorted(slices)
-        self.runner.settle_applies(timeout_s=30.0, slices=set(order))
+        self.runner.settle_applies(timeout_s=30.0, slices=set(order), abort_waits=abort_waits)
         try:
             # Every host: under a sharded layout each host applies its own
             # blocks, so a failure mid-apply may leave a slice's hosts apart.

@@ -25,8 +25,9 @@ from ray_elastic.worker import SliceWorker
 
 __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
 
-# A sharded checkpoint's write runs on its own thread (host_writes.py).
-_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1})(SliceWorker)
+# A sharded checkpoint's write runs on its own thread (host_writes.py);
+# `control` calls (abort_waits) reach a worker whose main thread waits.
+_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1, "control": 1})(SliceWorker)
 
 # glibc's allocator, for every worker process (set at its start; a value
 # in the driver's environment wins). A worker's calls run on several

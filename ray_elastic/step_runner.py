@@ -127,6 +127,11 @@ class StepRunner:
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
         self._dropped: list = []  # (slice, status ref) of gradient calls issued ahead and dropped
         self._applies: list = []  # (slice, metrics ref) of the last step's apply calls
+        self._workers: dict = {}  # slice -> its workers, as the last apply calls had them
+        # Applies and reductions carry the epoch they were issued in; after
+        # a failure, those of the epoch still waiting for an input give up
+        # (settle_applies), and later calls get the next epoch.
+        self._epoch = 0
 
     def drop_ahead(self) -> None:
         """Forget the calls issued ahead (their results are never read).
@@ -308,7 +313,7 @@ class StepRunner:
                 refs = grad_refs[h if per_host else 0]
 
                 def call(w=w, take=take, refs=refs):
-                    return w.apply.options(num_returns=2).remote(k, take, *refs)
+                    return w.apply.options(num_returns=2).remote(k, take, list(refs), self._epoch)
 
                 m_ref, snap_ref = call()
                 if take:
@@ -317,9 +322,10 @@ class StepRunner:
             if parts:
                 snaps[s] = tuple(parts) if per_host else parts[0]
         self._applies = [(s, ref) for s, _, ref, _ in issued]
+        self._workers = {s: list(sl.workers) for s, sl in live.items()}
         return issued, snaps
 
-    def settle_applies(self, timeout_s: float, slices=None) -> None:
+    def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
         """After a failure, settle the step's apply calls before the
         survivors say which step they hold (controller._reconcile): those
         not started yet (still waiting for an input, which may sit on a
@@ -328,8 +334,19 @@ class StepRunner:
         every input (the lost slice had sent its gradients) and complete the
         step after the failure; read before it, the survivor's step would
         be stale. The lost slice's own applies are not waited for: on a
-        lost node they answer only once Ray declares it dead."""
+        lost node they answer only once Ray declares it dead. With
+        `abort_waits` (the lost slice's node is gone or silent), first the
+        survivors' calls still waiting for an input give up: an input on
+        that node would arrive, as an error, only after Ray's pull timeout
+        (10 s) or its health checks, and hold up every later call to the
+        worker. After a process death its gradients, in its node's object
+        store, still arrive, and the survivors complete the step."""
         applies, self._applies = self._applies, []
+        epoch, self._epoch = self._epoch, self._epoch + 1
+        for s, workers in self._workers.items():
+            if abort_waits and (slices is None or s in slices):
+                for w in workers:
+                    w.abort_waits.options(concurrency_group="control").remote(epoch)
         for _, ref in applies:
             try:
                 ray.cancel(ref)
@@ -410,7 +427,7 @@ class StepRunner:
             box: list = []
 
             def call(w=live[s].workers[host], keys=keys, refs=refs, box=box):
-                status, partial = w.reduce.options(num_returns=2).remote(k, keys, *refs)
+                status, partial = w.reduce.options(num_returns=2).remote(k, keys, list(refs), self._epoch)
                 box[:] = [partial]
                 return status
 

@@ -29,6 +29,7 @@ import numpy as np
 from ray_elastic.checkpoint.store import unflatten as _unflatten
 from ray_elastic.data import host_rows
 from ray_elastic.errors import ConfigError
+from ray_elastic.inputs import fetch_inputs
 from ray_elastic.program import TrainProgram
 from ray_elastic.readiness import readiness_phases
 from ray_elastic.reduction import divided, reduce_pieces
@@ -68,6 +69,9 @@ class SliceWorker:
         # this constructor (the class and its module loaded).
         self._init_at = time.time()
         self._created_at = created_at
+        # Calls of this epoch or older stop waiting for their inputs
+        # (abort_waits); the controller's StepRunner numbers them.
+        self._aborted_epoch = -1
         self.slice_id = slice_id
         self.host = host
         self.hosts = hosts
@@ -306,25 +310,28 @@ class SliceWorker:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": losses}, {"grads": grads, "loss": losses, "from_slice": self.slice_id}
 
-    def reduce(self, step: int, keys: tuple[int, ...], *parts: Optional[dict]) -> tuple[dict, dict]:
+    def reduce(self, step: int, keys: tuple[int, ...], parts: list, epoch: int = 0) -> tuple[dict, dict]:
         """One node of the controller's reduction tree: the in-order sum of
         the pieces named by `keys` (shards, or lower nodes' first shards)
-        found in `parts`. Pure, so the controller may re-issue it."""
-        partial = reduce_pieces(self._jax.tree.map, keys, parts)
+        found in `parts` (refs, fetched here: see `_inputs`). Pure, so the
+        controller may re-issue it."""
+        partial = reduce_pieces(self._jax.tree.map, keys, self._inputs(parts, epoch, step))
         return {"count": partial["count"]}, partial
 
-    def apply(self, step: int, snapshot: bool, *parts: Optional[dict]):
+    def apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0):
         """Phase 2: apply the mean of all shard gradients, in shard order.
 
-        `parts` are phase-1 payloads or reduction-tree partial sums; either
-        way they are summed in the order of the shards they cover, so the
-        result does not depend on which slice computed which shard.
-        Returns (metrics, snapshot or None). The snapshot rides on the
-        step's own reply, so a step is never reported complete before its
-        snapshot is sealed in the object store: a failure at any moment
-        finds the state of the last completed step. Idempotent for a step
-        already applied, so the controller can re-issue it.
+        `parts` are refs of phase-1 payloads or reduction-tree partial sums
+        (fetched here: see `_inputs`); either way they are summed in the
+        order of the shards they cover, so the result does not depend on
+        which slice computed which shard. Returns (metrics, snapshot or
+        None). The snapshot rides on the step's own reply, so a step is
+        never reported complete before its snapshot is sealed in the object
+        store: a failure at any moment finds the state of the last completed
+        step. Idempotent for a step already applied, so the controller can
+        re-issue it.
         """
+        parts = self._inputs(parts, epoch, step)
         with self._state_lock:
             metrics = self._apply(step, parts)
             return metrics, (self.flat_state() if snapshot else None)
@@ -497,6 +504,17 @@ class SliceWorker:
 
     def held_step(self) -> int:
         return self._step
+
+    def abort_waits(self, epoch: int) -> None:
+        """A slice was lost: every apply or reduction issued in `epoch` or
+        before that still waits for an input stops waiting and raises
+        (it changes nothing). Runs on the `control` concurrency group, so
+        it reaches a call that is waiting."""
+        self._aborted_epoch = max(self._aborted_epoch, epoch)
+
+    def _inputs(self, refs: list, epoch: int, step: int) -> tuple:
+        return fetch_inputs(refs, lambda: self._aborted_epoch >= epoch,
+                            f"slice {self.slice_id} host {self.host}: step {step}'s inputs")
 
     def ping(self) -> bool:
         return True

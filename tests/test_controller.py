@@ -94,7 +94,8 @@ class FakeBackend:
         for s in slices:
             self.held[s] = source[1]
 
-    def held_steps(self, slices, step):
+    def held_steps(self, slices, step, abort_waits=False):
+        self.aborted_waits = getattr(self, "aborted_waits", []) + [abort_waits]
         return {s: self.held[s] for s in slices}
 
     def locate(self, slices, step, cause):
@@ -229,7 +230,7 @@ def test_resize_completes_the_step_in_flight_on_the_survivors():
     assert report.losses == [1.0 / (k + 1) for k in range(12)]
 
 
-def _fail_mid_apply(backend, k: int, lost: int, held: dict) -> None:
+def _fail_mid_apply(backend, k: int, lost: int, held: dict, kind=FailureKind.PROCESS_DIED) -> None:
     """Step k fails on slice `lost` after some survivors applied it:
     `held` sets the steps they are left at (-1: a slice whose hosts hold
     different steps)."""
@@ -238,10 +239,23 @@ def _fail_mid_apply(backend, k: int, lost: int, held: dict) -> None:
     def run_step(step, slices, *a, **kw):
         if step == k and lost in slices:
             backend.held.update(held)
-            raise failure(FailureKind.PROCESS_DIED, lost, 0, step, "injected mid-apply")
+            raise failure(kind, lost, 0, step, "injected mid-apply")
         return real(step, slices, *a, **kw)
 
     backend.run_step = run_step
+
+
+@pytest.mark.parametrize("kind,abort", [(FailureKind.PROCESS_DIED, False), (FailureKind.NODE_DIED, True),
+                                        (FailureKind.HUNG, True)])
+def test_survivors_stop_waiting_for_gradients_only_from_a_node_gone_or_silent(kind, abort):
+    """A lost node's gradients may never arrive (Ray's pull waits out its
+    timeout): the survivors' calls still waiting for them give up. A dead
+    process's gradients are in its node's object store and still arrive,
+    so the survivors complete the step."""
+    trainer, backend = run(ElasticConfig(num_slices=3, policy="resize"), steps=8)
+    _fail_mid_apply(backend, 5, 2, {0: 5, 1: 5}, kind)
+    report = trainer.fit()
+    assert report.steps_completed == 8 and backend.aborted_waits == [abort]
 
 
 @pytest.mark.parametrize("held,redone", [({0: 6, 1: 5}, 0), ({0: 5, 1: -1}, 1)])

@@ -13,6 +13,7 @@ from ray import exceptions as rex
 
 from ray_elastic.errors import FailureKind
 from ray_elastic.failure_location import FailureLocator, runtime_error
+from ray_elastic.inputs import InputsAborted, InputsLost
 
 
 class JaxRuntimeError(RuntimeError):  # the name JAX's own error has
@@ -123,3 +124,19 @@ def test_a_host_that_does_not_answer_is_the_hung_one():
     f = _locator(_BusyProbe(busy={"w11"})).hung([(1, 0)], _live(), step=5, deadline_s=5.0)
     assert (f.kind, f.slice_id, f.host) == (FailureKind.HUNG, 1, 1)
     assert f.node_silent is False and "answers" in f.cause
+
+
+@pytest.mark.parametrize("cause", [InputsLost("step 4's inputs: OSError: Connection reset by peer"),
+                                   InputsAborted("step 4's inputs given up: a slice was lost")])
+def test_inputs_that_could_not_be_fetched_blame_the_slice_on_a_lost_node(cause):
+    """An apply fetches the other slices' gradients itself (inputs.py): one
+    that could not is a node loss, blamed on the slice whose node is gone,
+    not a bug of the program."""
+    loc, live = _locator(_Probe(lost={"n10"})), _live()
+    kind = loc.classify_call(_task_error(cause), live, 0, 0)
+    assert kind == FailureKind.NODE_DIED and loc.blame(0, kind, live) == 1
+
+
+def test_a_program_error_in_an_apply_is_still_raised():
+    with pytest.raises(rex.RayTaskError, match="traceback"):
+        _locator(_Probe()).classify_call(_task_error(ValueError("bad")), _live(), 0, 0)

@@ -18,7 +18,8 @@ class CheckpointConfig:
     keep: committed steps kept; older ones are deleted.
     continuous: start the next save as soon as the previous one commits
         (save_every is then a floor, not a cadence).
-    save_at_end: checkpoint the final step.
+    save_at_end: checkpoint the final step. Either way, a save still in
+        flight when the run ends is waited for (up to save_timeout_s).
     storage_retries / retry_backoff_s: a failing write is retried this many
         times, doubling the wait each time, before the save counts as failed.
     max_failed_saves: consecutive failed saves before the run stops, after

@@ -1,0 +1,55 @@
+"""A worker's apply/reduce inputs, fetched by the call itself so that the
+controller can make it give up (ray_elastic/inputs.py), on a real Ray
+cluster: an input that is still coming is waited for until an abort, which
+ends the wait at once; inputs that are there, or fail, come back as Ray
+gives them."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from ray_elastic.inputs import InputsAborted, fetch_inputs
+
+pytestmark = pytest.mark.cluster
+
+
+@ray.remote(num_cpus=0)
+class _Late:
+    def value(self, delay_s: float):
+        time.sleep(delay_s)
+        return np.arange(4.0)
+
+
+def test_inputs_come_through_in_order(cluster):
+    a, b = ray.put(np.ones(3)), ray.put({"k": 2})
+    later = _Late.remote().value.remote(0.3)
+    got = fetch_inputs([a, None, later, b], lambda: False, "test")
+    assert got[1] is None and got[3] == {"k": 2}
+    np.testing.assert_array_equal(got[0], np.ones(3))
+    np.testing.assert_array_equal(got[2], np.arange(4.0))
+
+
+def test_an_abort_ends_the_wait_for_an_input_still_coming(cluster):
+    late = _Late.remote()
+    never = late.value.remote(60.0)  # stands in for an input on a lost node
+    flag = threading.Event()
+    threading.Timer(0.5, flag.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(InputsAborted, match="given up"):
+        fetch_inputs([ray.put(1), never], flag.is_set, "step 3's inputs")
+    assert time.monotonic() - t0 < 10  # not the input's 60 s
+    ray.kill(late)
+
+
+def test_a_failed_input_raises_its_error(cluster):
+    late = _Late.remote()
+    ref = late.value.remote(30.0)
+    time.sleep(0.2)
+    ray.kill(late)
+    with pytest.raises(ray.exceptions.RayActorError):
+        fetch_inputs([ref], lambda: False, "test")
