@@ -126,6 +126,25 @@ class ExternalNodes:
         names = {n for _, n in self.procs}
         return [x["NodeID"] for x in ray.nodes() if x.get("NodeName") in names and x["Alive"]]
 
+    def remove(self, node_id: str) -> bool:
+        """Take one of these nodes away at once (SIGKILL to its process
+        group: `ray start`, the raylet, its workers), as a lost machine
+        goes. False if `node_id` is not one of them."""
+        import signal
+
+        import ray
+
+        name = next((x.get("NodeName") for x in ray.nodes() if x["NodeID"] == node_id), None)
+        for proc, n in self.procs:
+            if n == name:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=30)
+                return True
+        return False
+
     def stop_all(self, wait_s: float = 20.0) -> None:
         import signal
         import time
@@ -149,3 +168,69 @@ class ExternalNodes:
             time.sleep(0.2)
         self.procs.clear()
         self.threads.clear()
+
+
+# Ray's own processes on this machine (the cluster's control plane and
+# per-node daemons), by what their command line holds.
+RAY_DAEMONS = {
+    "gcs_server": "gcs_server",
+    "raylet": "raylet/raylet",
+    "dashboard_agent": "DashboardAgent",
+    "runtime_env_agent": "RuntimeEnvAgent",
+    "dashboard": "dashboard/dashboard.py",
+    "log_monitor": "log_monitor.py",
+}
+
+
+class DaemonCpu:
+    """CPU seconds Ray's daemons (GCS, raylets, dashboard and its agents,
+    log monitors) take on this machine while a bench runs, sampled every
+    `period_s` in a thread, per kind. On a real cluster these run on the
+    head and beside each host's workers; here they share the 2 cores with
+    every slice, so their load is the slices' loss."""
+
+    def __init__(self, period_s: float = 1.0):
+        import threading
+
+        self._period = period_s
+        self._first: dict = {}  # pid -> (kind, cpu seconds when first seen)
+        self._last: dict = {}  # pid -> cpu seconds when last seen
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="bench-daemon-cpu")
+        self.timeline: list = []  # (monotonic, {kind: cpu seconds so far})
+
+    def __enter__(self) -> "DaemonCpu":
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self._sample()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._period):
+            self._sample()
+
+    def _sample(self) -> None:
+        import time
+
+        import psutil
+
+        for p in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
+            cmd = " ".join(p.info.get("cmdline") or [])
+            kind = next((k for k, needle in RAY_DAEMONS.items() if needle in cmd), None)
+            t = p.info.get("cpu_times")
+            if kind is None or t is None:
+                continue
+            cpu = t.user + t.system
+            self._first.setdefault(p.info["pid"], (kind, cpu))
+            self._last[p.info["pid"]] = cpu
+        self.timeline.append((time.monotonic(), self.by_kind()))
+
+    def by_kind(self) -> dict:
+        out: dict = {}
+        for pid, (kind, first) in self._first.items():
+            out[kind] = out.get(kind, 0.0) + self._last.get(pid, first) - first
+        return {k: round(v, 3) for k, v in sorted(out.items())}

@@ -37,10 +37,11 @@ import shutil
 import signal
 import statistics
 import tempfile
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from bench.common import ExternalNodes, ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
+from bench.common import DaemonCpu, ExternalNodes, ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
 
 SYSTEMS = ("ray_elastic-pause", "ray_elastic-pause-spare", "ray_elastic-resize", "raytrain", "raytrain-elastic",
            "full-restart")
@@ -358,10 +359,12 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
               seed: int = 0, policy: str = "resize", spare_slices: int = 0, log=print) -> dict:
     """ray_elastic (`policy`, `spare_slices` hot spares) on `num_slices`
     slices; every 30-60 s (a seeded random draw) a random live slice loses
-    its worker (SIGKILL) or its node (removed; a replacement node is added
-    once training has resumed). A fault waits until the last one is healed
-    (every slice and spare up again). The run is ended after `duration_s`
-    of wall time since its start."""
+    its worker (SIGKILL) or its node. A node is removed, and a replacement
+    node started as its own `ray start` process, from a background thread,
+    as a cloud takes a machine and an autoscaler adds one: the controller's
+    thread is never held up by the bench. A fault waits until the last one
+    is healed (every slice and spare up again). The run is ended after
+    `duration_s` of wall time since its start."""
     from ray_elastic import ElasticConfig, ElasticTrainer
 
     ensure_nodes(cluster, num_slices + spare_slices)
@@ -371,19 +374,22 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
     config = ElasticConfig(num_slices=num_slices, policy=policy, max_retries=1000, spare_slices=spare_slices,
                            step_deadline_floor_s=STEP_DEADLINE_FLOOR_S)
     trainer = ElasticTrainer(factory, config, 10 ** 7, callbacks=[rec])
-    st: dict = {"next": None, "faults": [], "add_node": 0, "start_t": None, "bench_s": 0.0}
+    st: dict = {"next": None, "faults": [], "changing": [], "start_t": None, "bench_s": 0.0}
+    ext = ExternalNodes(cluster)
 
     def on_event(e):
         if e["event"] == "start":
             st["start_t"] = e["t"]
             st["next"] = e["t"] + rng.uniform(*interval_s)
-        if e["event"] == "recovered" and st["add_node"]:
-            # Runs in the controller's thread (Ray wants add_node on the main
-            # thread): its time is the bench's, not the system's; counted.
-            st["add_node"] -= 1
-            t0 = time.monotonic()
-            cluster.add_node()
-            st["bench_s"] += time.monotonic() - t0
+
+    def replace_node(node_id: str) -> None:
+        # Off the controller's thread: the machine goes (its raylet and
+        # workers SIGKILLed), then a new one is started.
+        if node_id in cluster.nodes:
+            cluster.remove_node(node_id)
+        elif not ext.remove(node_id):
+            log(f"    chaos: node {node_id} is neither the cluster's nor the bench's")
+        ext.add()
 
     def on_step(step, metrics):
         now = rec.now()
@@ -392,7 +398,8 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
         if st["next"] is None or now < st["next"]:
             return
         m = trainer.members
-        if len(m.live) < num_slices or m.coming or len(m.ready) != spare_slices or st["add_node"]:
+        if len(m.live) < num_slices or m.coming or len(m.ready) != spare_slices or any(
+                t.is_alive() for t in st["changing"]):
             return  # the last failure is not healed yet: fire once it is
         s = rng.choice(sorted(trainer.members.live))
         kind = rng.choice(list(kinds))
@@ -402,9 +409,10 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
             os.kill(info["pid"], signal.SIGKILL)
         else:
             t0 = time.monotonic()
-            cluster.remove_node(info["node_id"])
+            th = threading.Thread(target=replace_node, args=(info["node_id"],), daemon=True, name="bench-chaos-node")
+            th.start()
+            st["changing"].append(th)
             st["bench_s"] += time.monotonic() - t0
-            st["add_node"] += 1
         st["faults"].append({"t": round(t, 4), "kind": kind, "slice": s, "after_step": step})
         log(f"    chaos: {kind} slice {s} at {t:.1f} s (step {step})")
         st["next"] = t + rng.uniform(*interval_s)
@@ -412,12 +420,18 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
     rec.hooks_event.append(on_event)
     rec.hooks_step.append(on_step)
     error = None
+    daemons = DaemonCpu()
     try:
-        trainer.fit()
+        with daemons:
+            trainer.fit()
     except _TimeUp:
         pass
     except Exception as e:  # noqa: BLE001
         error = f"{type(e).__name__}: {str(e)[:300]}"
+    finally:
+        for th in st["changing"]:
+            th.join(timeout=60)
+        ext.stop_all()
     report = trainer.report
     events = report.events
     markers = _markers(events)
@@ -480,6 +494,10 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
         },
         "timeline": [[t, s] for t, s, _ in rec.steps],
         "markers": markers,
+        # Ray's daemons' CPU over the run (they share the 2 cores with the
+        # slices here), and Ray's metrics switch as this run had it.
+        "ray_daemons_cpu_s": daemons.by_kind(),
+        "ray_metrics_collection": os.environ.get("RAY_enable_metrics_collection", "default (on)"),
         "error": error,
         "notes": [],
     }
