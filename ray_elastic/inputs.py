@@ -34,9 +34,20 @@ class InputsLost(RuntimeError):
 
 def fetch_inputs(refs: list, aborted: Callable[[], bool], what: str) -> tuple:
     """The values of `refs` (other items pass through), in order; raises
-    InputsAborted once `aborted()` is true while some are still coming."""
+    InputsAborted once `aborted()` is true while some are still coming, a
+    lost input's own Ray error, or InputsLost when Ray's client itself
+    fails (this worker's raylet gone: a broken pipe, a connection reset)."""
     import ray
 
+    try:
+        return _fetch(ray, refs, aborted, what)
+    except (ray.exceptions.RayError, InputsAborted):
+        raise
+    except Exception as e:
+        raise InputsLost(f"{what}: {type(e).__name__}: {e}") from e
+
+
+def _fetch(ray, refs: list, aborted: Callable[[], bool], what: str) -> tuple:
     pending = [r for r in refs if isinstance(r, ray.ObjectRef)]
     if pending:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
@@ -56,10 +67,5 @@ def fetch_inputs(refs: list, aborted: Callable[[], bool], what: str) -> tuple:
         while not arrived.wait(POLL_S):
             if aborted():
                 raise InputsAborted(f"{what} given up: a slice was lost")
-    try:
-        values = iter(ray.get([r for r in refs if isinstance(r, ray.ObjectRef)]))
-    except ray.exceptions.RayError:
-        raise  # a lost input's own error (ObjectLostError, ActorDiedError, ...)
-    except Exception as e:
-        raise InputsLost(f"{what}: {type(e).__name__}: {e}") from e
+    values = iter(ray.get([r for r in refs if isinstance(r, ray.ObjectRef)]))
     return tuple(next(values) if isinstance(r, ray.ObjectRef) else r for r in refs)

@@ -53,3 +53,19 @@ def test_a_failed_input_raises_its_error(cluster):
     ray.kill(late)
     with pytest.raises(ray.exceptions.RayActorError):
         fetch_inputs([ref], lambda: False, "test")
+
+
+def test_ray_s_client_failing_is_an_input_lost(cluster, monkeypatch):
+    """On a worker whose raylet was just killed, Ray's client raises plain
+    OSErrors (a broken pipe, a connection reset), which the driver would
+    take for the program's own error: they become InputsLost, a node loss
+    to the failure locator. (The OSError is raised by a stand-in for
+    ray.wait here; the e2e chaos runs met the real one.)"""
+    from ray_elastic.inputs import InputsLost
+
+    def broken(*a, **kw):
+        raise OSError("Broken pipe")
+
+    monkeypatch.setattr(ray, "wait", broken)
+    with pytest.raises(InputsLost, match="Broken pipe"):
+        fetch_inputs([ray.put(1)], lambda: False, "step 2's inputs")
