@@ -105,7 +105,7 @@ def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
         for s in slices.values():
             s.shutdown()
     out = {"runs": runs, "variants": {}, "target_s": TARGET_S, "cpus": os.cpu_count(),
-           "load_avg": os.getloadavg()}
+           "load_avg": os.getloadavg(), "ray_floor": floor(runs, log=log)}
     for v in variants:
         warm = [r for r in rows[v] if r["run"] > 0] or rows[v]
         med = {}
@@ -114,6 +114,43 @@ def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
             if vals:
                 med[k] = round(statistics.median(vals), 4)
         out["variants"][v] = {"median": med, "rows": rows[v]}
+    return out
+
+
+def floor(runs: int = 5, log=print) -> dict:
+    """What Ray alone takes here to start an actor: creation to the first
+    reply of an actor that does nothing (`empty`), and of one that first
+    imports what a worker needs (`imports`: jax, flax, optax, the example
+    model, ray_elastic.worker), with the workers' environment; median of
+    `runs` after a first one left out. No replacement can be ready sooner
+    than `imports` without a process started ahead of it."""
+    import ray
+
+    from ray_elastic.slice_group import MALLOC_ENV
+
+    @ray.remote(num_cpus=0)
+    class Empty:
+        def ready(self):
+            return time.time()
+
+    @ray.remote(num_cpus=0)
+    class Imports:
+        def ready(self):
+            import examples.lm  # noqa: F401 (jax, flax, optax)
+            import ray_elastic.worker  # noqa: F401
+            return time.time()
+
+    out = {}
+    for name, cls in (("empty", Empty), ("imports", Imports)):
+        times = []
+        for _ in range(runs + 1):
+            t0 = time.time()
+            actor = cls.options(runtime_env={"env_vars": dict(MALLOC_ENV)}).remote()
+            times.append(ray.get(actor.ready.remote(), timeout=120) - t0)
+            ray.kill(actor)
+            time.sleep(1.0)
+        out[name] = round(statistics.median(times[1:]), 4)
+        log(f"  Ray's floor, {name} actor: {[round(t, 2) for t in times]} s, median {out[name]:.2f} s")
     return out
 
 
@@ -132,6 +169,10 @@ def table(result: dict) -> str:
         name = {"ready": "**placement → ready** (SliceUp.setup_s)",
                 "ready_and_state": "**placement → ready + first state**"}.get(k, k)
         lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
+    fl = result.get("ray_floor") or {}
+    if fl:
+        lines += ["", f"Ray's floor here (`floor`): an actor that does nothing replies {fl['empty']:.2f} s after its "
+                      f"creation, one that first imports what a worker needs {fl['imports']:.2f} s."]
     d = result["variants"].get("default", {}).get("median", {})
     if d.get("ready_and_state") is not None:
         met = d["ready_and_state"] <= result["target_s"]

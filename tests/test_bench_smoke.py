@@ -132,3 +132,7 @@ def test_ready_tiny(cluster, nodes, lm_factory):
     parts = sum(med[k] for k in ready.PHASES if k not in ("first_state", "process_start"))
     assert parts <= med["ready"] + 0.5
     assert "placement → ready" in ready.table(result)
+    # Ray's own floor: a bare actor, and one with the worker's imports.
+    floor = result["ray_floor"]
+    assert 0 < floor["empty"] < med["ready"] and 0 < floor["imports"] < med["ready"]
+    assert "Ray's floor here" in ready.table(result)
