@@ -83,6 +83,14 @@ def idle_cpu_load():
         proc.wait()
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 class ExternalNodes:
     """Replacement nodes started as separate processes (`ray start --block`
     with the resources a LocalCluster node has), from any thread, as an
@@ -110,8 +118,15 @@ class ExternalNodes:
         self.started_at.append(time.monotonic())
 
         def go():
+            # Every port a node's agents bind, free ones: by default the
+            # dashboard agent takes 52365, which another node on this
+            # machine may hold; its agent then fails and Ray's raylet
+            # exits with it (seen in a chaos run: the node never came up).
+            ports = {flag: _free_port() for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                     "runtime-env-agent-port", "metrics-export-port")}
             cmd = ["ray", "start", "--block", f"--address={self.address}", f"--num-cpus={self.cpus}",
-                   f"--object-store-memory={self.store}", f"--node-name={name}", "--disable-usage-stats"]
+                   f"--object-store-memory={self.store}", f"--node-name={name}", "--disable-usage-stats",
+                   *(f"--{flag}={port}" for flag, port in ports.items())]
             proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                     start_new_session=True)
             self.procs.append((proc, name))
