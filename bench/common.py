@@ -127,13 +127,40 @@ class ExternalNodes:
             cmd = ["ray", "start", "--block", f"--address={self.address}", f"--num-cpus={self.cpus}",
                    f"--object-store-memory={self.store}", f"--node-name={name}", "--disable-usage-stats",
                    *(f"--{flag}={port}" for flag, port in ports.items())]
-            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                    start_new_session=True)
-            self.procs.append((proc, name))
+            # A new machine starts its agents in seconds; here they compete
+            # with training for 2 cores, and the raylet aborts when its
+            # dashboard agent has not registered within Ray's default
+            # (`WaitForDashboardAgentPorts`, seen in chaos runs): give it
+            # longer, and start the node again if it died anyway, as an
+            # autoscaler retries a failed launch.
+            env = {**os.environ, "RAY_agent_register_timeout_ms": "120000"}
+            for _ in range(3):
+                proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        start_new_session=True, env=env)
+                self.procs.append((proc, name))
+                if self._came_up(proc, name):
+                    return
 
         t = threading.Thread(target=go, daemon=True, name="bench-add-node")
         t.start()
         self.threads.append(t)
+
+    @staticmethod
+    def _came_up(proc, name: str, timeout_s: float = 180.0) -> bool:
+        """True once the node is alive in Ray; False if its `ray start`
+        exited first (or never got there)."""
+        import time
+
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
+            if any(x.get("NodeName") == name and x["Alive"] for x in ray.nodes()):
+                return True
+            time.sleep(1.0)
+        return False
 
     def node_ids(self) -> list[str]:
         import ray
@@ -150,15 +177,16 @@ class ExternalNodes:
         import ray
 
         name = next((x.get("NodeName") for x in ray.nodes() if x["NodeID"] == node_id), None)
-        for proc, n in self.procs:
+        found = False
+        for proc, n in self.procs:  # a retried launch left earlier, dead, processes under the name
             if n == name:
+                found = True
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 proc.wait(timeout=30)
-                return True
-        return False
+        return found
 
     def stop_all(self, wait_s: float = 20.0) -> None:
         import signal
