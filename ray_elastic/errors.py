@@ -28,6 +28,8 @@ __all__ = [
     "CheckpointDamaged",
     "EventsFileError",
     "TimelineInputError",
+    "InputsAborted",
+    "InputsLost",
 ]
 
 
@@ -167,3 +169,14 @@ class StateLoadFailed(ElasticError):
 
     def __reduce__(self):
         return (type(self), (self.dead, self.cause))
+
+
+class InputsAborted(ElasticError, RuntimeError):
+    """A worker's apply or reduction stopped waiting for its inputs: the
+    controller said a slice's node was lost (inputs.py)."""
+
+
+class InputsLost(ElasticError, RuntimeError):
+    """Fetching a worker's inputs failed outside Ray's own errors (a
+    connection reset while the node holding them, or the worker's own,
+    goes away)."""

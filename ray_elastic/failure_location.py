@@ -21,8 +21,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import ray
 from ray import exceptions as rex
 
-from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
-from ray_elastic.inputs import InputsAborted, InputsLost
+from ray_elastic.errors import FAILURE_TYPES, FailureKind, InputsAborted, InputsLost, SliceFailure
 
 __all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "runtime_error", "short"]
 

@@ -18,18 +18,13 @@ from __future__ import annotations
 import threading
 from typing import Callable
 
+from ray_elastic.errors import InputsAborted, InputsLost
+
 __all__ = ["InputsAborted", "InputsLost", "fetch_inputs", "POLL_S"]
 
 POLL_S = 0.02  # how often a waiting call looks for an abort
 
 
-class InputsAborted(RuntimeError):
-    """A call stopped waiting for its inputs: a slice was lost."""
-
-
-class InputsLost(RuntimeError):
-    """Fetching an input failed outside Ray's own errors (a connection
-    reset while the node holding it, or this worker's, goes away)."""
 
 
 def fetch_inputs(refs: list, aborted: Callable[[], bool], what: str) -> tuple:
@@ -67,5 +62,6 @@ def _fetch(ray, refs: list, aborted: Callable[[], bool], what: str) -> tuple:
         while not arrived.wait(POLL_S):
             if aborted():
                 raise InputsAborted(f"{what} given up: a slice was lost")
-    values = iter(ray.get([r for r in refs if isinstance(r, ray.ObjectRef)]))
+    got = [r for r in refs if isinstance(r, ray.ObjectRef)]
+    values = iter(ray.get(got) if got else ())  # no refs: no Ray call (nor its auto-init)
     return tuple(next(values) if isinstance(r, ray.ObjectRef) else r for r in refs)
