@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
+import time
 from typing import Optional
 
 import ray
@@ -104,6 +106,11 @@ class LocalCluster:
     def thaw_node(self, node_id: str) -> None:
         for pid in self.frozen.pop(node_id, []):
             _signal(pid, signal.SIGCONT)
+        # Woken, a node Ray declared dead has its raylet exit. Its parent
+        # here is this process, which would leave it a zombie, and a worker
+        # takes a zombie raylet for a live one and never exits (seen: >120 s
+        # in CI). On a real host the raylet's parent reaps it: do the same.
+        threading.Thread(target=_reap, args=(self.nodes.get(node_id),), daemon=True, name="reap").start()
 
     def ensure_nodes(self, n: int) -> "LocalCluster":
         """Make the cluster have exactly n live worker nodes: forget nodes
@@ -163,3 +170,12 @@ def _signal(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except ProcessLookupError:
         pass
+
+
+def _reap(node, limit_s: float = 600.0) -> None:
+    """Wait for (reap) the node's daemons as they exit."""
+    procs = [p.process for ps in (node.all_processes.values() if node else ()) for p in ps if p.process is not None]
+    end = time.monotonic() + limit_s
+    while procs and time.monotonic() < end:
+        procs = [p for p in procs if p.poll() is None]
+        time.sleep(0.2)

@@ -37,7 +37,7 @@ def reference(cluster, lm_factory):
 
 
 def _trainer(factory, steps, path):
-    config = ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=2.0)
+    config = ElasticConfig(num_slices=2, policy="pause")
     return ElasticTrainer(factory, config, steps, checkpoint=CheckpointConfig(path, save_every=4), keep_final_state=True)
 
 
@@ -108,7 +108,7 @@ def test_every_node_lost_skips_damaged_checkpoint(nodes, lm_factory, reference, 
         if e["event"] == "wait" and not added:
             added.extend([cluster.add_node(), cluster.add_node()])
 
-    config = ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=2.0)
+    config = ElasticConfig(num_slices=2, policy="pause")
     trainer = ElasticTrainer(
         lm_factory, config, 16, checkpoint=CheckpointConfig(path, save_every=3), keep_final_state=True,
         remove_node=cluster.remove_node, faults=(Fault("remove_node", 0, 8), Fault("remove_node", 1, 8)),

@@ -47,7 +47,7 @@ def reference(cluster, lm_factory):
 
 def _trainer(factory, steps, path, **kw):
     ck = {k: kw.pop(k) for k in list(kw) if k in ("save_every", "keep", "continuous", "max_failed_saves", "storage_retries", "retry_backoff_s")}
-    config = kw.pop("config", ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=2.0))
+    config = kw.pop("config", ElasticConfig(num_slices=2, policy="pause"))
     remove = kw.pop("cluster_remove", None)
     return ElasticTrainer(
         factory, config, steps, checkpoint=CheckpointConfig(path, **ck), keep_final_state=True,
@@ -202,7 +202,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
     path = str(tmp_path / "ck")
     trainer = _trainer(
         lm_factory, 250, path, save_every=1000,
-        config=ElasticConfig(num_slices=2, policy="resize", step_deadline_floor_s=2.0),
+        config=ElasticConfig(num_slices=2, policy="resize"),
     )
     seen = {}
 
@@ -281,7 +281,7 @@ def test_sigterm_to_worker_checkpoints_and_retires_slice_at_step_boundary(nodes,
     path = str(tmp_path / "ck")
     trainer = _trainer(
         lm_factory, 200, path, save_every=1000,
-        config=ElasticConfig(num_slices=2, policy="resize", step_deadline_floor_s=2.0),
+        config=ElasticConfig(num_slices=2, policy="resize"),
         faults=(Fault("term", 1, 6),),
     )
     report = trainer.fit()

@@ -222,7 +222,7 @@ def test_metrics_scraped_from_prometheus_endpoint(nodes, lm_factory):
     nodes(2)
     port = driver_metrics_port()
     run = f"test-{uuid.uuid4().hex[:8]}"
-    config = ElasticConfig(num_slices=2, policy="pause", step_deadline_floor_s=2.0, timeout_s=120.0)
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=120.0)
     metrics = MetricsCallback(run, refresh_s=1.0, linger_s=SCRAPE_TIMEOUT_S + 30)
     gate = ScrapeGate(port, run)
     trainer = ElasticTrainer(

@@ -135,7 +135,7 @@ def test_no_secret_in_events_report_metrics_or_logs(cluster, lm_factory, secret_
     metrics = MetricsCallback(run, linger_s=SCRAPE_TIMEOUT_S)
     trainer = ElasticTrainer(
         lm_factory,
-        ElasticConfig(num_slices=2, policy="resize", min_slices=1, step_deadline_floor_s=2.0, timeout_s=120.0),
+        ElasticConfig(num_slices=2, policy="resize", min_slices=1, timeout_s=120.0),
         STEPS,
         faults=(Fault("kill", 1, FAULT_AT),),
         callbacks=[metrics, EventLog(events_path)],

@@ -52,7 +52,7 @@ def test_every_worker_lost_restores_from_snapshot_on_surviving_node(nodes, lm_fa
     bring the run back, bitwise equal to a failure-free run."""
     ref, _ = two_slice_ref
     cluster = nodes(2)
-    config = ElasticConfig(num_slices=2, policy="pause", snapshot_every_replicated=1, step_deadline_floor_s=2.0)
+    config = ElasticConfig(num_slices=2, policy="pause", snapshot_every_replicated=1)
     added = []
 
     def on_event(e):
@@ -77,7 +77,7 @@ def test_single_slice_node_lost_restores_driver_pinned_copy(nodes, lm_factory):
     """With one slice the second copy is pinned by the driver: losing the
     slice's only node must not lose the snapshot."""
     cluster = nodes(1)
-    config = ElasticConfig(num_slices=1, policy="pause", step_deadline_floor_s=2.0)
+    config = ElasticConfig(num_slices=1, policy="pause")
     ref, _ = _run(lm_factory, config)
 
     def on_event(e):
@@ -94,7 +94,7 @@ def test_snapshots_off_loses_only_what_memory_held(nodes, lm_factory):
     """With snapshot_every=0 and every worker gone, the run restarts from
     step 0 and still finishes every requested step."""
     nodes(1)
-    config = ElasticConfig(num_slices=1, policy="pause", snapshot_every=0, step_deadline_floor_s=2.0)
+    config = ElasticConfig(num_slices=1, policy="pause", snapshot_every=0)
     trainer, report = _run(lm_factory, config, faults=(Fault("kill", 0, FAIL_AT),))
     assert report.steps_completed == STEPS
     assert report.failures[0].steps_rewound == FAIL_AT + 1
