@@ -52,7 +52,7 @@ def _flip_data_file(step_folder: str) -> str:
     return os.path.relpath(data, step_folder)
 
 
-@pytest.mark.parametrize("storage", ["local", "gcs"])
+@pytest.mark.parametrize("storage", [pytest.param("local", marks=pytest.mark.slow), "gcs"])
 def test_cold_start_skips_damaged_newest_step(storage, nodes, lm_factory, reference, tmp_path, request):
     if storage == "gcs":
         server = request.getfixturevalue("gcs")
@@ -91,6 +91,7 @@ def test_cold_start_skips_damaged_newest_step(storage, nodes, lm_factory, refere
     assert ocp.CheckpointManager(path).latest_step() == 16
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_every_node_lost_skips_damaged_checkpoint(nodes, lm_factory, reference, tmp_path):
     """Both slices' nodes go in the same step, so the state must come from
     a checkpoint; the newest one (step 6) has a truncated data file. The

@@ -55,7 +55,7 @@ def _trainer(factory, steps, path, **kw):
     )
 
 
-@pytest.mark.parametrize("storage", ["local", "gcs"])
+@pytest.mark.parametrize("storage", [pytest.param("local", marks=pytest.mark.slow), "gcs"])
 def test_cold_start_after_cluster_torn_down(storage, nodes, lm_factory, reference, tmp_path, request):
     """Job 1 runs on its own cluster, which is then torn down entirely. Job
     2, a new driver on another cluster, resumes from the newest committed
@@ -272,6 +272,7 @@ def test_checkpoint_from_other_seed_is_refused(nodes, lm_factory, tmp_path):
         _trainer(lm_factory, 8, path, config=other).fit()
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_sigterm_to_worker_checkpoints_and_retires_slice_at_step_boundary(nodes, lm_factory, tmp_path):
     """SIGTERM to a worker (its process is being preempted): the step in
     hand finishes, the controller commits a checkpoint of it, retires the

@@ -119,6 +119,7 @@ def test_pause_node_removed_waits_for_replacement(nodes, lm_factory, baseline):
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_pause_worker_hung(nodes, lm_factory, baseline):
     nodes(2)
     trainer, report = _run(lm_factory, _config(policy="pause", step_deadline_floor_s=HUNG_FLOOR_S), faults=(Fault("stop", 1, FAIL_AT),))
@@ -157,6 +158,7 @@ def test_resize_accumulate_matches_failure_free_run(nodes, lm_factory, baseline)
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     """Above APPLY_FAN_IN shards the gradients reach the apply calls through
     the controller's reduction tree (fan-in lowered to 2 so that 4 real
@@ -184,6 +186,7 @@ def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     assert ref.losses[-1] < ref.losses[0]
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_resize_node_removed_then_replacement_joins(nodes, lm_factory, baseline):
     cluster = nodes(2)
     steps = 250

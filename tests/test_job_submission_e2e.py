@@ -361,6 +361,7 @@ def _slice_worker_pid(cluster: RayStartCluster, slice_id: int) -> int:
     return int(pids[0])
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_job_survives_worker_killed_from_outside(ray_cluster):
     steps = 400
     job_id = _submit(ray_cluster, "--slices", "2", "--policy", "resize", "--steps", str(steps))

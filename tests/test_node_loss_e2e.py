@@ -101,6 +101,7 @@ def _running(pids: list[int]) -> list[str]:
     return out
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_frozen_node_under_pause_recovers_before_ray_declares_it_dead():
     """On Ray's defaults a frozen node keeps its bundle of the slice's
     placement group for a minute or more; the replacement gets a new group

@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-pytestmark = [pytest.mark.cluster, pytest.mark.timeout(300)]
+# slow: it runs the same trainer as the e2e tests, in a kernel (README: Tests).
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.timeout(300)]
 
 nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install -e '.[test]')")
 nbclient = pytest.importorskip("nbclient", reason="nbclient is not installed (pip install -e '.[test]')")

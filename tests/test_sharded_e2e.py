@@ -114,7 +114,7 @@ def test_each_device_holds_a_quarter_of_every_sharded_parameter(baseline):
         assert [size for _, _, size in seen[i]] == [int(np.prod(shapes[i]))] * HOSTS
 
 
-@pytest.mark.parametrize("policy", ["resize", "pause"])
+@pytest.mark.parametrize("policy", ["pause", pytest.param("resize", marks=pytest.mark.slow)])
 def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy, monkeypatch):
     """...and the driver never materialises the state: no snapshot pin and
     nothing fetched into the driver, even with one slice left (resize after
@@ -138,7 +138,7 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     assert trainer._snapshots._pinned_value is None
 
 
-@pytest.mark.parametrize("policy", ["resize", "pause"])
+@pytest.mark.parametrize("policy", ["resize", pytest.param("pause", marks=pytest.mark.slow)])
 def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy):
     cluster.ensure_nodes(2 * HOSTS)
     added = []
@@ -163,7 +163,7 @@ def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, po
         assert report.failures[0].recovered_s is not None
 
 
-@pytest.mark.parametrize("slices,hosts", [(2, 1), (1, 1), (2, HOSTS)])
+@pytest.mark.parametrize("slices,hosts", [(2, 1), (1, 1), pytest.param(2, HOSTS, marks=pytest.mark.slow)])
 def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_factory, baseline, sharded_checkpoint,
                                                                slices, hosts):
     """Saved from 2 slices of 2 hosts x 2 devices, resumed on 2 slices, or

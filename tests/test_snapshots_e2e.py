@@ -101,6 +101,7 @@ def test_snapshots_off_loses_only_what_memory_held(nodes, lm_factory):
     assert any(e["event"] == "rewind" and e["to_step"] == 0 for e in report.events)
 
 
+@pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_multi_host_multi_device_slices(nodes, lm_factory, two_slice_ref):
     """Two slices of two hosts with two devices each: a dead host fails its
     slice, the whole slice is rebuilt (a new JAX distributed group), and the

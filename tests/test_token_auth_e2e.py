@@ -282,7 +282,7 @@ def test_job_submit_is_refused_without_the_token(head):
     assert len(_jobs(head)) == before, "a refused submission must not create a job"
 
 
-@pytest.mark.parametrize("how", ["env", "file"])
+@pytest.mark.parametrize("how", ["env", pytest.param("file", marks=pytest.mark.slow)])
 def test_job_submit_runs_with_the_token(head, how):
     out = _submit(head, how)
     assert out.returncode == 0, (out.stdout + out.stderr)[-3000:]
