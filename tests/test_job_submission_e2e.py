@@ -224,8 +224,10 @@ class RayStartCluster:
                     out.append(f"--- {name}\n{f.read()[-3000:]}")
         return "\n".join(out)
 
-    def stop(self, grace_s: float = 10.0) -> list[int]:
-        """Stop every node (workers first), then anything of ours left.
+    def stop(self, grace_s: float = 3.0) -> list[int]:
+        """Stop every node (workers first), then anything of ours left
+        (SIGTERM, then SIGKILL after grace_s: Ray's graceful stop took all
+        of 10 s here, for a cluster the test throws away).
         Returns the pids still alive afterwards (should be none)."""
         for p in reversed(self.procs):  # SIGTERM: `ray start --block` stops its processes
             if p.poll() is None:

@@ -225,8 +225,8 @@ class TokenHead:
         if self.proc is not None:
             if self.proc.poll() is None:
                 os.killpg(self.proc.pid, signal.SIGTERM)
-                try:
-                    self.proc.wait(timeout=15)
+                try:  # then SIGKILL: Ray's graceful stop used all of 15 s here
+                    self.proc.wait(timeout=3)
                 except subprocess.TimeoutExpired:
                     pass
             try:

@@ -9,6 +9,7 @@ import functools
 import json
 import os
 import sys
+import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -26,7 +27,8 @@ factory = functools.partial(make_program, LMConfig(), sharded_layout(sharding))
 
 def worker(slice_id):
     w = SliceWorker(slice_id, 0, 1, factory, 0, 2)
-    assert w.setup(None)["per_host"] is True
+    # The persistent compilation cache: 5 workers, one program.
+    assert w.setup(None, os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache"))["per_host"] is True
     return w
 
 
