@@ -208,12 +208,12 @@ def test_wheel_runs_the_demo_from_an_empty_folder(tmp_path):
     assert all(p.startswith(str(site)) for p in where), where
 
     run = subprocess.run(
-        [str(site / "bin" / "ray-elastic"), "demo", "--steps", "120"],
+        [str(site / "bin" / "ray-elastic"), "demo", "--steps", "40"],
         cwd=empty, env=env, capture_output=True, text=True, timeout=400,
     )
     out = run.stdout + run.stderr
     assert run.returncode == 0, out
-    assert "failure node_died slice 1" in out and "steps 120/120" in out, out
+    assert "failure node_died slice 1" in out and "steps 40/40" in out, out
     for noise in ("state-dump", "(raylet)", "core_worker.cc"):
         assert noise not in out, f"Ray's own output reached the demo's terminal: {noise}\n{out}"
     ray_log_line = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING|ERROR) ")
