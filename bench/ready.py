@@ -21,10 +21,16 @@ first_state (`load_state` of the snapshot, round trip from the driver).
 `ready` is placement to set-up seen by the driver (SliceUp.setup_s), and
 `ready + first_state` the whole way to a slice that can train.
 
+Each worker is killed `SETTLE_S` after its slice came up (a failure comes
+seconds to hours after a start), so the warm process its set-up asked for
+has started; every variant waits the same.
+
 Variants, run in turn (round robin, so they share the machine's load):
-- `default`: what the controller does (the compile cache on);
+- `default`: what the controller does (the compile cache on, one warm
+  worker process per host: warm_pool.py);
+- `no_warm`: the default without the warm pool (warm_workers=0);
 - `no_cache`: compile_cache_dir="" (every compile from scratch);
-- `before`: the default with `RAY_ELASTIC_EAGER_SETUP=1` in the workers'
+- `before`: no warm pool, and `RAY_ELASTIC_EAGER_SETUP=1` in the workers'
   environment: set-up as it was before it was cut down (the step-0 state
   made and the snapshot unflattener built in set-up, snapshots unflattened
   by jax's per-leaf device ops).
@@ -41,8 +47,9 @@ from bench.common import lm_factory
 
 PHASES = ("process_start", "actor_load", "args_load", "queue", "imports", "jax_init", "program_build", "initial_state",
           "compile", "report", "first_state")
-VARIANTS = ("before", "default", "no_cache")
+VARIANTS = ("before", "default", "no_warm", "no_cache")
 TARGET_S = 3.0
+SETTLE_S = 6.0
 
 
 def _variant_slices(variant: str, factory, cache_dir: str):
@@ -59,7 +66,8 @@ def _variant_slices(variant: str, factory, cache_dir: str):
 
         spec = _Spec()
     return RaySlices(spec, factory, seed=0, num_shards=2, run_name=f"bench-ready-{variant}-{os.getpid()}",
-                     compile_cache_dir="" if variant == "no_cache" else cache_dir)
+                     compile_cache_dir="" if variant == "no_cache" else cache_dir,
+                     warm_workers=0 if variant in ("before", "no_warm") else 1)
 
 
 def _one(slices, snapshot=None, timeout_s: float = 300.0) -> dict:
@@ -83,6 +91,7 @@ def _one(slices, snapshot=None, timeout_s: float = 300.0) -> dict:
     ray.get(w.load_state.remote(snapshot))
     row["first_state"] = round(time.monotonic() - t0, 4)
     row["ready_and_state"] = round(row["ready"] + row["first_state"], 4)
+    time.sleep(max(0.0, SETTLE_S - (time.monotonic() - live.ready_at)))
     slices.kill(live.workers)
     return row, snapshot
 

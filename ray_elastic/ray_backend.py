@@ -30,9 +30,11 @@ class RayBackend:
         self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
         compile_cache_dir: str = "", provisioner: Optional[type] = None,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+        warm_workers: int = 0,
     ):
         self._slices = (provisioner or RaySlices)(
             spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
+            warm_workers=warm_workers,
         )
         self.locator = FailureLocator(RayProbe(), clock, sleep)
         self.runner = StepRunner(self.locator, clock)

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.config import CpuSlice, GpuSlice, SliceSpec, TpuSlice
 from ray_elastic.program import TrainProgram
+from ray_elastic.warm_pool import hook_env
 from ray_elastic.worker import SliceWorker
 
 __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
@@ -80,8 +81,13 @@ class RaySlices:
         num_shards: int,
         run_name: str,
         compile_cache_dir: str = "",
+        warm_workers: int = 0,
     ):
         self.spec = spec
+        self._warm = warm_workers
+        # The warm pool's set-up hook is part of the workers' runtime
+        # environment, so the processes it keeps match the next replacement.
+        self._env = {**worker_env(spec), **(hook_env(program_factory) if warm_workers else {})}
         self._factory = program_factory
         self._seed = seed
         self._num_shards = num_shards
@@ -129,7 +135,7 @@ class RaySlices:
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host
             ),
-            "runtime_env": {"env_vars": worker_env(self.spec)},
+            "runtime_env": {"env_vars": self._env},
         }
         if "GPU" in bundle:
             opts["num_gpus"] = bundle.pop("GPU")
@@ -155,7 +161,7 @@ class RaySlices:
             slice_id=slice_id,
             workers=workers,
             info_refs=[w.info.remote() for w in workers],
-            setup_refs=[w.setup.remote(coordinator, self._cache_dir) for w in workers],
+            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm) for w in workers],
             started_at=time.monotonic(),
         )
 

@@ -1,0 +1,138 @@
+"""The warm pool (warm_pool.py): the workers' set-up hook, and on a real
+cluster, a replacement for a SIGKILLed worker starting in the idle process
+its predecessor asked for, with the program's modules already imported."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import tempfile
+import time
+
+import pytest
+
+from ray_elastic import ConfigError, ElasticConfig
+from ray_elastic.warm_pool import PRELOAD_ENV, hook_env, preload
+
+
+def test_hook_env_preloads_the_factorys_module_through_partials():
+    import examples.lm as lm
+
+    env = hook_env(functools.partial(functools.partial(lm.make_program), lm.LMConfig()))
+    modules = env[PRELOAD_ENV].split(",")
+    assert modules[-1] == "examples.lm" and "jax" in modules and "ray_elastic.worker" in modules
+    (hook,) = [v for k, v in env.items() if k != PRELOAD_ENV]
+    assert hook == "ray_elastic.warm_pool.preload"
+
+
+def test_hook_env_leaves_out_main_and_yields_to_the_jobs_own_hook(monkeypatch):
+    def factory():
+        pass
+
+    factory.__module__ = "__main__"  # a notebook's or script's function: shipped by value
+    assert "__main__" not in hook_env(factory)[PRELOAD_ENV]
+    (var,) = [k for k in hook_env(factory) if k != PRELOAD_ENV]
+    monkeypatch.setenv(var, "user_module.their_hook")  # the job set a hook: an actor's would replace it
+    assert hook_env(factory) == {}
+
+
+def test_preload_imports_what_it_can_and_never_raises(monkeypatch):
+    sys.modules.pop("colorsys", None)
+    monkeypatch.setenv(PRELOAD_ENV, "no_such_module_xyz,colorsys,,")
+    preload()  # Ray ends a worker whose set-up hook raises
+    assert "colorsys" in sys.modules
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", None])
+def test_warm_workers_must_be_a_count(bad):
+    with pytest.raises(ConfigError, match="warm_workers"):
+        ElasticConfig(warm_workers=bad)
+    assert ElasticConfig().warm_workers == 1 and ElasticConfig(warm_workers=0).warm_workers == 0
+
+
+def _warm_processes(exclude=()) -> dict:
+    """pid -> whether JAX's native library is loaded, for every process with
+    the warm pool's hook in its environment (the idle ones and the live
+    worker alike), but `exclude`."""
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if PRELOAD_ENV.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/maps") as f:
+                out[int(pid)] = "jaxlib" in f.read()
+        except OSError:  # gone, or not ours
+            continue
+    return {p: v for p, v in out.items() if p not in exclude}
+
+
+def _settled(pid: int) -> bool:
+    """Whether the process has gone idle (its preload done): no CPU time
+    used over half a second."""
+    import psutil
+
+    try:
+        proc = psutil.Process(pid)
+        a = sum(proc.cpu_times()[:2])
+        time.sleep(0.5)
+        return sum(proc.cpu_times()[:2]) == a
+    except psutil.Error:
+        return False
+
+
+def _wait(cond, timeout_s=90.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def _up(slices, timeout_s=180.0):
+    p = slices.start(0)
+    return _wait(lambda: slices.poll(p), timeout_s)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc"), reason="reads /proc")
+def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(nodes, lm_factory):
+    from ray_elastic.config import CpuSlice
+    from ray_elastic.slice_group import RaySlices
+
+    class OwnPool(CpuSlice):
+        # Its own runtime environment, so its own pool: the processes other
+        # tests' workers left warm (the same job) are not this test's.
+        def worker_env(self):
+            return {**super().worker_env(), "RAY_ELASTIC_TEST_POOL": f"{os.getpid()}-{time.time()}"}
+
+    nodes(1)
+    before = set(_warm_processes())
+    slices = RaySlices(OwnPool(), lm_factory, seed=0, num_shards=1, run_name=f"test-warm-{os.getpid()}",
+                       compile_cache_dir=os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache"),
+                       warm_workers=1)
+    try:
+        live = _up(slices)
+        worker_pid = live.infos[0]["pid"]
+        # The worker's set-up asked its raylet for one idle process, which
+        # imports JAX at its start (its native library mapped), then idles.
+        warm = _wait(lambda: [p for p, jax in _warm_processes(before | {worker_pid}).items() if jax])
+        _wait(lambda: _settled(warm[0]))
+        assert len(warm) == 1
+        os.kill(worker_pid, signal.SIGKILL)
+        _wait(lambda: not os.path.exists(f"/proc/{worker_pid}"), 30)
+        replacement = _up(slices)
+        # The replacement is that process: created after it started, its
+        # class's module loaded before its creation.
+        assert replacement.infos[0]["pid"] == warm[0]
+        assert replacement.phases["process_start"] < 0 and replacement.phases["actor_load"] == 0
+        # ... and it asked for the next one: one idle process again, not two.
+        nxt = _wait(lambda: [p for p, jax in _warm_processes(before | {worker_pid, warm[0]}).items() if jax])
+        time.sleep(1.0)
+        assert len(nxt) == 1 and set(_warm_processes(before | {worker_pid})) == {warm[0], nxt[0]}
+        slices.kill(replacement.workers)
+    finally:
+        slices.shutdown()
