@@ -92,8 +92,41 @@ def _one(slices, snapshot=None, timeout_s: float = 300.0) -> dict:
     row["first_state"] = round(time.monotonic() - t0, 4)
     row["ready_and_state"] = round(row["ready"] + row["first_state"], 4)
     time.sleep(max(0.0, SETTLE_S - (time.monotonic() - live.ready_at)))
+    row.update(_warm_memory(live.infos[0]["pid"]))
     slices.kill(live.workers)
     return row, snapshot
+
+
+def _warm_memory(worker_pid: int) -> dict:
+    """What the warm pool costs on the worker's node: the idle processes
+    its raylet started beside the worker with the pool's set-up hook in
+    their environment, their count and largest resident and unique (USS)
+    memory, MB. Empty where /proc is not readable (not this machine)."""
+    import psutil
+
+    from ray_elastic.warm_pool import PRELOAD_ENV
+
+    try:
+        raylet = psutil.Process(worker_pid).ppid()
+    except psutil.Error:
+        return {}
+    rss, uss = [], []
+    for proc in psutil.process_iter(["pid", "ppid"]):
+        if proc.info["ppid"] != raylet or proc.info["pid"] == worker_pid:
+            continue
+        try:
+            with open(f"/proc/{proc.pid}/environ", "rb") as f:
+                if PRELOAD_ENV.encode() not in f.read():
+                    continue
+            mem = proc.memory_full_info()
+        except (OSError, psutil.Error):
+            continue
+        rss.append(mem.rss / 2**20)
+        uss.append(mem.uss / 2**20)
+    out = {"warm_processes": len(rss)}
+    if rss:
+        out.update(warm_rss_mb=round(max(rss), 1), warm_uss_mb=round(max(uss), 1))
+    return out
 
 
 def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
@@ -118,7 +151,7 @@ def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
     for v in variants:
         warm = [r for r in rows[v] if r["run"] > 0] or rows[v]
         med = {}
-        for k in PHASES + ("ready", "ready_and_state"):
+        for k in PHASES + ("ready", "ready_and_state", "warm_processes", "warm_rss_mb", "warm_uss_mb"):
             vals = [r[k] for r in warm if k in r]
             if vals:
                 med[k] = round(statistics.median(vals), 4)
@@ -173,10 +206,13 @@ def table(result: dict) -> str:
         "| phase (s) | " + " | ".join(vs) + " |",
         "|---|" + "---:|" * len(vs),
     ]
-    for k in PHASES + ("ready", "ready_and_state"):
+    for k in PHASES + ("ready", "ready_and_state", "warm_processes", "warm_rss_mb", "warm_uss_mb"):
         cells = [result["variants"][v]["median"].get(k) for v in vs]
         name = {"ready": "**placement → ready** (SliceUp.setup_s)",
-                "ready_and_state": "**placement → ready + first state**"}.get(k, k)
+                "ready_and_state": "**placement → ready + first state**",
+                "warm_processes": "warm processes beside the worker (count)",
+                "warm_rss_mb": "… their memory, resident (MB)",
+                "warm_uss_mb": "… their memory, unique to them (MB)"}.get(k, k)
         lines.append(f"| {name} | " + " | ".join("—" if c is None else f"{c:.3f}" for c in cells) + " |")
     fl = result.get("ray_floor") or {}
     if fl:
