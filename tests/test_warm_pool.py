@@ -52,16 +52,17 @@ def test_warm_workers_must_be_a_count(bad):
     assert ElasticConfig().warm_workers == 1 and ElasticConfig(warm_workers=0).warm_workers == 0
 
 
-def _warm_processes(exclude=()) -> dict:
+def _warm_processes(exclude=(), tag: str = PRELOAD_ENV) -> dict:
     """pid -> whether JAX's native library is loaded, for every process with
-    the warm pool's hook in its environment (the idle ones and the live
-    worker alike), but `exclude`."""
+    `tag` in its environment (default: the warm pool's hook; the idle ones
+    and the live worker alike), but `exclude`."""
     out = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if PRELOAD_ENV.encode() not in f.read():
-                    continue
+                env = f.read()
+            if PRELOAD_ENV.encode() not in env or tag.encode() not in env:
+                continue
             with open(f"/proc/{pid}/maps") as f:
                 out[int(pid)] = "jaxlib" in f.read()
         except OSError:  # gone, or not ours
@@ -103,14 +104,15 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
     from ray_elastic.config import CpuSlice
     from ray_elastic.slice_group import RaySlices
 
+    tag = f"RAY_ELASTIC_TEST_POOL=warm-{os.getpid()}-{time.time()}"
+
     class OwnPool(CpuSlice):
         # Its own runtime environment, so its own pool: the processes other
-        # tests' workers left warm (the same job) are not this test's.
+        # tests' workers left warm (the same job) are neither used nor counted.
         def worker_env(self):
-            return {**super().worker_env(), "RAY_ELASTIC_TEST_POOL": f"{os.getpid()}-{time.time()}"}
+            return {**super().worker_env(), tag.split("=")[0]: tag.split("=")[1]}
 
     nodes(1)
-    before = set(_warm_processes())
     slices = RaySlices(OwnPool(), lm_factory, seed=0, num_shards=1, run_name=f"test-warm-{os.getpid()}",
                        compile_cache_dir=os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache"),
                        warm_workers=1)
@@ -119,7 +121,7 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
         worker_pid = live.infos[0]["pid"]
         # The worker's set-up asked its raylet for one idle process, which
         # imports JAX at its start (its native library mapped), then idles.
-        warm = _wait(lambda: [p for p, jax in _warm_processes(before | {worker_pid}).items() if jax])
+        warm = _wait(lambda: [p for p, jax in _warm_processes({worker_pid}, tag).items() if jax])
         _wait(lambda: _settled(warm[0]))
         assert len(warm) == 1
         os.kill(worker_pid, signal.SIGKILL)
@@ -130,9 +132,9 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
         assert replacement.infos[0]["pid"] == warm[0]
         assert replacement.phases["process_start"] < 0 and replacement.phases["actor_load"] == 0
         # ... and it asked for the next one: one idle process again, not two.
-        nxt = _wait(lambda: [p for p, jax in _warm_processes(before | {worker_pid, warm[0]}).items() if jax])
+        nxt = _wait(lambda: [p for p, jax in _warm_processes({worker_pid, warm[0]}, tag).items() if jax])
         time.sleep(1.0)
-        assert len(nxt) == 1 and set(_warm_processes(before | {worker_pid})) == {warm[0], nxt[0]}
+        assert len(nxt) == 1 and set(_warm_processes({worker_pid}, tag)) == {warm[0], nxt[0]}
         slices.kill(replacement.workers)
     finally:
         slices.shutdown()
