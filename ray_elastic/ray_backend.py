@@ -5,6 +5,7 @@ StepRunner, failures located by the FailureLocator."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 import uuid
@@ -32,9 +33,11 @@ class RayBackend:
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         warm_workers: int = 0,
     ):
-        self._slices = (provisioner or RaySlices)(
-            spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
-            warm_workers=warm_workers,
+        cls = provisioner or RaySlices
+        # A provisioner of the user's own (`slices_backend`) may not know it.
+        warm = {"warm_workers": warm_workers} if "warm_workers" in inspect.signature(cls).parameters else {}
+        self._slices = cls(
+            spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir, **warm,
         )
         self.locator = FailureLocator(RayProbe(), clock, sleep)
         self.runner = StepRunner(self.locator, clock)

@@ -87,7 +87,8 @@ class RaySlices:
         self._warm = warm_workers
         # The warm pool's set-up hook is part of the workers' runtime
         # environment, so the processes it keeps match the next replacement.
-        self._env = {**worker_env(spec), **(hook_env(program_factory) if warm_workers else {})}
+        self._env = {**worker_env(spec),
+                     **(hook_env(program_factory, program_module=isinstance(spec, CpuSlice)) if warm_workers else {})}
         self._factory = program_factory
         self._seed = seed
         self._num_shards = num_shards

@@ -10,8 +10,9 @@ one of them when it has one; it can also start them ahead of demand
 (`PrestartWorkers`, kept alive for a set time). So each worker, once set
 up, asks its own raylet for one such process in its own runtime
 environment, and that environment names a set-up hook (Ray's
-`worker_process_setup_hook`) that imports the program's modules in every
-worker process at its start, before any task reaches it. A replacement on
+`worker_process_setup_hook`) that imports JAX, Optax, this package's worker
+and, on CPU slices, the program's module in every worker process at its
+start, before any task reaches it. A replacement on
 that host then finds a process with everything imported: creation to its
 constructor takes ~0.01 s instead of ~2.7 s (`python -m bench ready`).
 
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import logging
 import os
 from typing import Callable, Optional
@@ -44,6 +46,7 @@ __all__ = ["KEEP_ALIVE_S", "PRELOAD_ENV", "hook_env", "keep_warm", "preload"]
 log = logging.getLogger("ray_elastic")
 
 PRELOAD_ENV = "RAY_ELASTIC_PRELOAD"
+STAMP_ENV = "RAY_ELASTIC_PRELOAD_STAMP"
 # How long an unused warm process is kept from Ray's idle-worker reaper
 # (which otherwise keeps only as many idle processes as the node has free
 # CPUs). A day: a run's failures are minutes to hours apart, and every
@@ -62,10 +65,16 @@ def _hook_var() -> Optional[str]:
         return None
 
 
-def hook_env(program_factory: Callable) -> dict[str, str]:
+def hook_env(program_factory: Callable, program_module: bool = True) -> dict[str, str]:
     """The workers' environment variables that run `preload` at the start
-    of every worker process: the base modules and the program factory's
-    module (unpickling the factory imports it, with its JAX, Flax, Optax).
+    of every worker process: the base modules and, with `program_module`,
+    the program factory's module (unpickling the factory imports it, with
+    its JAX, Flax, Optax). That module is the user's: it may touch JAX's
+    backend at import, so it is preloaded only where no accelerator is
+    assigned (CPU slices): Ray makes a worker's GPUs or TPU chips visible
+    only when the actor lands, after the hook. Its file's size and time
+    are part of the environment, so an edited module (a notebook's next
+    run in the same job) gets new processes, never stale ones.
     Empty where this Ray has no such variable, or where the job already
     has its own set-up hook (an actor's variable would replace it)."""
     var = _hook_var()
@@ -75,9 +84,22 @@ def hook_env(program_factory: Callable) -> dict[str, str]:
     while isinstance(program_factory, functools.partial):
         program_factory = program_factory.func
     mod = getattr(program_factory, "__module__", None)
-    if mod and mod != "__main__" and mod not in modules:
+    env = {var: f"{__name__}.preload"}
+    if program_module and mod and mod != "__main__" and mod not in modules:
         modules.append(mod)
-    return {var: f"{__name__}.preload", PRELOAD_ENV: ",".join(modules)}
+        env[STAMP_ENV] = _stamp(mod)
+    env[PRELOAD_ENV] = ",".join(modules)
+    return env
+
+
+def _stamp(module: str) -> str:
+    """The module's file as the driver sees it: size and modification time."""
+    try:
+        spec = importlib.util.find_spec(module)
+        st = os.stat(spec.origin) if spec and spec.origin else None
+        return f"{st.st_size}-{st.st_mtime_ns}" if st else ""
+    except (ImportError, ValueError, OSError):
+        return ""
 
 
 def _job_has_hook() -> bool:
@@ -99,7 +121,7 @@ def preload() -> None:
     for name in filter(None, os.environ.get(PRELOAD_ENV, "").split(",")):
         try:
             importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 (see above)
+        except BaseException as e:  # noqa: BLE001 (see above; a module may even call sys.exit)
             log.debug("warm pool: could not preload %s: %s", name, e)
 
 

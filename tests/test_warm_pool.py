@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ray_elastic import ConfigError, ElasticConfig
-from ray_elastic.warm_pool import PRELOAD_ENV, hook_env, preload
+from ray_elastic.warm_pool import PRELOAD_ENV, STAMP_ENV, hook_env, preload
 
 
 def test_hook_env_preloads_the_factorys_module_through_partials():
@@ -23,8 +23,28 @@ def test_hook_env_preloads_the_factorys_module_through_partials():
     env = hook_env(functools.partial(functools.partial(lm.make_program), lm.LMConfig()))
     modules = env[PRELOAD_ENV].split(",")
     assert modules[-1] == "examples.lm" and "jax" in modules and "ray_elastic.worker" in modules
-    (hook,) = [v for k, v in env.items() if k != PRELOAD_ENV]
+    (hook,) = [v for k, v in env.items() if k not in (PRELOAD_ENV, STAMP_ENV)]
     assert hook == "ray_elastic.warm_pool.preload"
+
+
+def test_hook_env_preloads_no_user_module_where_accelerators_are_assigned_later():
+    import examples.lm as lm
+
+    cpu, accel = hook_env(lm.make_program), hook_env(lm.make_program, program_module=False)
+    assert "examples.lm" in cpu[PRELOAD_ENV] and "examples.lm" not in accel[PRELOAD_ENV]
+    # The module file's size and time: an edited module gets new processes.
+    st = os.stat(lm.__file__)
+    assert cpu[STAMP_ENV] == f"{st.st_size}-{st.st_mtime_ns}" and STAMP_ENV not in accel
+
+
+def test_a_gpu_slices_workers_preload_only_the_base_modules():
+    from ray_elastic.config import GpuSlice
+    from ray_elastic.slice_group import RaySlices
+    import examples.lm as lm
+
+    env = RaySlices(GpuSlice(), lm.make_program, 0, 1, "t", warm_workers=1)._env
+    assert "examples.lm" not in env[PRELOAD_ENV] and "jax" in env[PRELOAD_ENV]
+    assert PRELOAD_ENV not in RaySlices(GpuSlice(), lm.make_program, 0, 1, "t", warm_workers=0)._env
 
 
 def test_hook_env_leaves_out_main_and_yields_to_the_jobs_own_hook(monkeypatch):
@@ -33,19 +53,21 @@ def test_hook_env_leaves_out_main_and_yields_to_the_jobs_own_hook(monkeypatch):
 
     factory.__module__ = "__main__"  # a notebook's or script's function: shipped by value
     assert "__main__" not in hook_env(factory)[PRELOAD_ENV]
-    (var,) = [k for k in hook_env(factory) if k != PRELOAD_ENV]
+    (var,) = [k for k in hook_env(factory) if k not in (PRELOAD_ENV, STAMP_ENV)]
     monkeypatch.setenv(var, "user_module.their_hook")  # the job set a hook: an actor's would replace it
     assert hook_env(factory) == {}
 
 
-def test_preload_imports_what_it_can_and_never_raises(monkeypatch):
+def test_preload_imports_what_it_can_and_never_raises(monkeypatch, tmp_path):
     sys.modules.pop("colorsys", None)
-    monkeypatch.setenv(PRELOAD_ENV, "no_such_module_xyz,colorsys,,")
+    (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(PRELOAD_ENV, "no_such_module_xyz,exits_on_import,colorsys,,")
     preload()  # Ray ends a worker whose set-up hook raises
     assert "colorsys" in sys.modules
 
 
-@pytest.mark.parametrize("bad", [-1, 1.5, "1", None])
+@pytest.mark.parametrize("bad", [-1, 2, 1.5, "1", None])
 def test_warm_workers_must_be_a_count(bad):
     with pytest.raises(ConfigError, match="warm_workers"):
         ElasticConfig(warm_workers=bad)
