@@ -41,7 +41,7 @@ import logging
 import os
 from typing import Callable, Optional
 
-__all__ = ["KEEP_ALIVE_S", "PRELOAD_ENV", "hook_env", "keep_warm", "preload"]
+__all__ = ["KEEP_ALIVE_S", "PRELOAD_ENV", "STAMP_ENV", "hook_env", "keep_warm", "preload"]
 
 log = logging.getLogger("ray_elastic")
 
