@@ -18,7 +18,7 @@ controller event:
   replacement is ready at once), and fault -> next completed step as the
   report gives it;
 - "controller only": the same less the fakes' own share (building their
-  results and `ray.put`, which stands in for Ray's per-call work).
+  results and the actor calls that return them, which stand in for Ray's per-call work).
 
 With a set compute time per step (`--step-s`, e.g. 1 s: the fakes' refs
 resolve that long after the step's gradient calls can start, on a clock
@@ -47,6 +47,8 @@ import statistics
 import time
 from typing import Optional, Sequence
 
+import numpy as np
+
 from bench.common import summary
 
 SIZES = (16, 64, 256, 1024)
@@ -57,7 +59,7 @@ def _no_program():  # the fakes never build the program
 
 
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
-            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None) -> dict:
+            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None, clocks: int = 1) -> dict:
     """One run of the real controller on `num_slices` fake slices. Times
     are wall clock and the driver process's CPU time (all its threads,
     Ray's included): CPU time is what the controller costs, and it is far
@@ -73,7 +75,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     span = max(1, steps - warmup - 4)
     fail_steps = sorted({warmup + 1 + (i * span) // max(1, failures) for i in range(failures)})
     plan = [(k, rng.randrange(num_slices)) for k in fail_steps]
-    backend = FakeSlices.configured(fail=plan, step_s=step_s)
+    backend = FakeSlices.configured(fail=plan, step_s=step_s, clocks=clocks)
     stamps: list[tuple] = []  # (step, wall, cpu, fake wall, fake cpu)
     events: list[tuple] = []  # (event, wall, cpu, fake wall, fake cpu)
 
@@ -198,6 +200,88 @@ def pipelined_table(result: dict) -> str:
             f"| {'≤ %d%%' % (100 * target) if target else ''} | {_ms(r['step_cpu_s'])} | {_ms(r['step_cpu_ctl_s'])} "
             f"| {r['steps_measured']} |")
     return "\n".join(lines)
+
+
+def calibrate(num_slices: int, steps: int = 4, hosts: int = 4) -> dict:
+    """How faithful the fakes are to Ray: the driver's CPU per step for the
+    calls the controller makes (`StepRunner`, pipelined, the same slices
+    and shards, nothing else of the controller), once on `hosts` real
+    actors each playing num_slices / hosts slices' workers (they fetch
+    their inputs as a worker does and compute nothing), once on the fakes
+    (their calls due at once). Driver CPU covers all its threads, Ray's
+    included; the actors' own work is not in it (on a real cluster it runs
+    on the slices' hosts)."""
+    import ray
+
+    from bench.fake_slices import FakeSlices
+    from ray_elastic.failure_location import FailureLocator, RayProbe
+    from ray_elastic.slice_group import LiveSlice
+    from ray_elastic.step_runner import StepRunner
+
+    node = ray.get_runtime_context().get_node_id()
+    info = {"node_id": node, "pid": None, "ip": "127.0.0.1"}
+    assignment = {s: (s,) for s in range(num_slices)}
+
+    def per_step(workers: list) -> float:
+        live = {s: LiveSlice(s, [workers[s]], [info]) for s in range(num_slices)}
+        runner = StepRunner(FailureLocator(RayProbe(), time.monotonic, time.sleep), time.monotonic, pipeline=True)
+        c0 = time.process_time()
+        for k in range(steps + 1):
+            if k == 1:  # the first step issues its gradients itself: not a steady step
+                c0 = time.process_time()
+            runner.run(k, live, assignment, frozenset(), 600.0, ahead=assignment if k < steps else None)
+        return (time.process_time() - c0) / steps
+
+    host = _host_class()
+    actors = [host.remote() for _ in range(hosts)]
+    try:
+        ray.get([a.ping.remote() for a in actors], timeout=120)
+        real = per_step([actors[s % hosts] for s in range(num_slices)])
+    finally:
+        for a in actors:
+            ray.kill(a)
+
+    class _Spec:
+        def bundles(self):
+            return [{}]
+
+    fakes = FakeSlices.configured()(_Spec(), _no_program, 0, num_slices, "calibrate")
+    workers = [fakes.start(s).workers[0] for s in range(num_slices)]
+    for w in workers:
+        w.step = 0
+    fake = per_step(workers)
+    return {"slices": num_slices, "steps": steps, "hosts": hosts, "real_cpu_s": real, "fake_cpu_s": fake,
+            "fake_over_real": fake / real}
+
+
+def _host_class():
+    import ray
+
+    @ray.remote(num_cpus=0, max_concurrency=3, concurrency_groups={"compute": 1})
+    class Host:
+        """A real actor standing in for many slices' workers in `calibrate`:
+        the calls and replies of `worker.SliceWorker`, no JAX."""
+
+        def ping(self) -> bool:
+            return True
+
+        def compute_grads(self, step, shards, *after):
+            losses = {s: 1.0 for s in shards}
+            return {"loss": losses}, {"grads": {s: {"w": np.zeros(16, np.float32)} for s in shards}, "loss": losses}
+
+        def reduce(self, step, keys, parts, epoch=0):
+            ray.get(parts)
+            return {"count": len(keys)}, {"key": keys[0], "sum": {"w": np.zeros(16, np.float32)},
+                                          "count": len(keys), "loss": {}}
+
+        def apply(self, step, snapshot, parts, epoch=0):
+            ray.get(parts)
+            return {"step": step + 1, "loss": 1.0}, None
+
+        def abort_waits(self, epoch) -> None:
+            return None
+
+    return Host
 
 
 def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:

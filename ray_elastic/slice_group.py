@@ -28,7 +28,13 @@ __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
 
 # A sharded checkpoint's write runs on its own thread (host_writes.py);
 # `control` calls (abort_waits) reach a worker whose main thread waits.
-_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1, "control": 1})(SliceWorker)
+# Gradient calls run on a thread of their own (`compute`): the reduce and
+# apply calls that wait for them hold threads of the default group while
+# they wait, and a pipelined gradient call (its argument, the apply before
+# it, still coming) lets later calls start first: sharing the default
+# group, a worker hosting a reduction tree's nodes could fill every thread
+# with calls waiting for its own gradients, which then never ran.
+_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1, "control": 1, "compute": 1})(SliceWorker)
 
 # glibc's allocator, for every worker process (set at its start; a value
 # in the driver's environment wins). A worker's calls run on several
@@ -130,8 +136,9 @@ class RaySlices:
         opts: dict[str, Any] = {
             "num_cpus": bundle.pop("CPU", 0),
             "max_restarts": 0,
-            # A snapshot, the next step's gradient phase and a liveness ping
-            # may all be running at once.
+            # Reduce and apply calls waiting for their inputs, and a liveness
+            # ping, may all be running at once (gradient calls, snapshots
+            # and aborts have threads of their own: the groups above).
             "max_concurrency": 3,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host

@@ -8,9 +8,9 @@ among the hosts of that index (host i with host i: they hold the same
 blocks), so no process ever holds the whole gradient.
 Hand-off: up to APPLY_FAN_IN shards, every apply call takes those objects
 directly; above, they are summed in a tree of fan-in APPLY_FAN_IN on the
-slices' workers of that host index, level by level, so no call carries
-more than APPLY_FAN_IN refs and the driver's work stays linear in the
-slice count.
+slices' workers of that host index, level by level down to one sum (every
+apply call then takes a single ref), so no call carries more than
+APPLY_FAN_IN refs and the driver's work stays linear in the slice count.
 The tree's shape depends only on the shard count, so the additions happen
 in the same order whichever slices are alive (a resized run stays bitwise
 equal to a failure-free one). Phase 2: every host applies the mean; the
@@ -54,6 +54,9 @@ APPLY_FAN_IN = 8
 # While a step runs, the nodes of the live slices are probed this often: a
 # node whose raylet is gone is found before the calls to it fail.
 NODE_PROBE_S = 0.25
+# A phase's calls are collected this often (all that finished meanwhile at
+# once): how much later than at once a failed call is seen.
+GATHER_POLL_S = 0.01
 
 
 def senders(sl) -> int:
@@ -243,8 +246,9 @@ class StepRunner:
                 gates = [r for h, r in sorted(payloads[s].items())
                          if (h == g and not assignment.get(s)) or (groups == 1 and h > 0)]
                 leaves[min(assignment.get(s) or (first,))] += gates
-            nodes = sorted(leaves.items())
-            while len(nodes) > self.fan_in:
+            nodes, built = sorted(leaves.items()), 0
+            while self._deeper(nodes, built):
+                built += 1
                 level, boxes = self._tree_level(k, live, nodes, g)
                 levels.append(level)
                 nodes = [(key, [box[0]]) for key, box in boxes]
@@ -280,7 +284,8 @@ class StepRunner:
 
         def grads_call(w, s: int, h: int):
             extra = (after[(s, h)],) if after else ()
-            status, payload = w.compute_grads.options(num_returns=2).remote(k, shards_of[s], *extra)
+            status, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(
+                k, shards_of[s], *extra)
             payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it
             return status
 
@@ -361,23 +366,26 @@ class StepRunner:
         `finished` collects the (slice, host) calls that completed."""
         pending = {ref: (s, h, reissue) for s, h, ref, reissue in issued}
         out = {}
+        heard = self._clock()  # when a call last finished
         while pending:
             remaining = wait.at - self._clock()
             if remaining <= 0:
                 candidates = [(s, h) for s, h, _ in pending.values()]
                 raise self.locator.hung(candidates, live, k, wait.seconds)
-            done, rest = ray.wait(list(pending), num_returns=1, timeout=min(remaining, NODE_PROBE_S))
+            # Everything that finished within the poll, in one wait: a
+            # wait's cost grows with the calls it looks at, and a wait per
+            # finished call made a phase O(slices^2) (at 1024 slices, 0.4 s
+            # of the driver's time per step).
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=min(remaining, GATHER_POLL_S))
             if not done:
-                lost = self.locator.lost_host(live)
-                if lost is not None:
-                    s, h = lost
-                    raise failure(FailureKind.NODE_DIED, s, h, k, "the node's raylet stopped taking connections")
+                if self._clock() - heard >= NODE_PROBE_S:
+                    heard = self._clock()
+                    lost = self.locator.lost_host(live)
+                    if lost is not None:
+                        s, h = lost
+                        raise failure(FailureKind.NODE_DIED, s, h, k, "the node's raylet stopped taking connections")
                 continue
-            if done and rest:
-                # Take everything else already finished in one go, so a
-                # phase costs O(slices), not one wait per slice.
-                more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
-                done += more
+            heard = self._clock()
             try:  # one get for all of them; one by one only to sort an error
                 values = ray.get(done)
             except rex.RayError:
@@ -405,12 +413,22 @@ class StepRunner:
         shard -> the phase-1 payload holding it): the payloads themselves up
         to `fan_in` shards, else the top of the reduction tree over
         consecutive shards, reduced on the slices' workers of that host."""
-        nodes = [(shard, [holder[shard]]) for shard in sorted(holder)]  # (key, refs holding it)
-        while len(nodes) > self.fan_in:
+        nodes, built = [(shard, [holder[shard]]) for shard in sorted(holder)], 0  # (key, refs holding it)
+        while self._deeper(nodes, built):
+            built += 1
             issued, boxes = self._tree_level(k, live, nodes, host)
             self._gather(issued, k, wait, live)
             nodes = [(key, [box[0]]) for key, box in boxes]  # a re-issued call's result
         return list(dict.fromkeys(r for _, rs in nodes for r in rs))
+
+    def _deeper(self, nodes: list, built: int) -> bool:
+        """Whether the tree needs another level over `nodes`: above
+        `fan_in` of them, and once there is a tree at all, down to one, so
+        that every apply call takes a single ref. The driver pays Ray for
+        each ref a call carries (at 1024 slices, one more ref per apply
+        call cost it 10-15% of its time per step); one more reduce call
+        adds the same pieces in the same key order as the apply would."""
+        return len(nodes) > self.fan_in or (built > 0 and len(nodes) > 1)
 
     def _tree_level(self, k: int, live: Mapping, nodes: list, host: int) -> tuple[list, list]:
         """One level of the reduction tree: a reduce call per `fan_in`

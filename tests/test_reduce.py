@@ -37,9 +37,10 @@ def _flat_mean(n):
 
 def _tree(parts_by_shard, n, assign):
     """The controller's tree: groups of APPLY_FAN_IN consecutive keys, each
-    reduced from whichever payloads hold them."""
-    nodes = [(s, [assign[s]]) for s in range(n)]
-    while len(nodes) > APPLY_FAN_IN:
+    reduced from whichever payloads hold them, down to one node."""
+    nodes, built = [(s, [assign[s]]) for s in range(n)], False
+    while len(nodes) > APPLY_FAN_IN or (built and len(nodes) > 1):
+        built = True
         nxt = []
         for j in range(0, len(nodes), APPLY_FAN_IN):
             group = nodes[j:j + APPLY_FAN_IN]
@@ -83,7 +84,7 @@ def test_tree_is_bitwise_the_same_for_any_assignment(n):
         payload_of = {s: _payload(shards) for s, shards in held.items()}
         assign = {shard: payload_of[s] for s, shards in held.items() for shard in shards}
         parts = _tree(None, n, assign)
-        assert len(parts) <= APPLY_FAN_IN
+        assert len(parts) == 1
         mean, total = _mean(parts)
         assert total["count"] == n and sorted(total["loss"]) == list(range(n))
         results.append(mean)
