@@ -59,7 +59,7 @@ def _no_program():  # the fakes never build the program
 
 
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
-            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None, clocks: int = 1) -> dict:
+            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None, clocks: int = 2) -> dict:
     """One run of the real controller on `num_slices` fake slices. Times
     are wall clock and the driver process's CPU time (all its threads,
     Ray's included): CPU time is what the controller costs, and it is far
@@ -84,9 +84,13 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
         return (time.perf_counter(), time.process_time(),
                 inst.fake_s if inst else 0.0, inst.fake_cpu_s if inst else 0.0)
 
+    clock_cpu: dict = {}  # step -> the clock actors' CPU seconds, at the warm-up's end and the last step
+
     class Probe(Callback):
         def on_step(self, step, metrics):
             stamps.append((step,) + now())
+            if step in (warmup, steps) and backend.instances:
+                clock_cpu[step] = backend.instances[-1].clock_cpu_s()
 
         def on_event(self, event):
             events.append((event["event"],) + now())
@@ -155,6 +159,8 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
         first = next(a for a in stamps if a[0] >= warmup)
         out["step_wall_mean_s"] = (stamps[-1][1] - first[1]) / max(1, stamps[-1][0] - first[0])
         out["step_cpu_mean_s"] = (stamps[-1][2] - first[2]) / max(1, stamps[-1][0] - first[0])
+        if len(clock_cpu) == 2:
+            out["clock_cpu_per_step_s"] = (clock_cpu[steps] - clock_cpu[warmup]) / max(1, steps - warmup)
     # Kept for the names used before: wall clock, all in.
     out["step_s"], out["step_controller_s"] = out["step_wall_s"], out["step_wall_ctl_s"]
     out["failure_s"], out["failure_controller_s"] = out["failure_wall_s"], out["failure_wall_ctl_s"]
@@ -162,23 +168,28 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
 
 
 def pipelined(sizes: Sequence[int] = (256, 1024), step_s: float = 1.0, steps: int = 20,
-              log=print) -> dict:
+              log=print, clocks: int = 2) -> dict:
     """Each size with pipelined dispatch off, then on, with a set compute
     time per step and no failures: the driver's overhead per step is the
     mean step time after warm-up (last stamp less first, over the steps
     between) less step_s; the median step is reported beside it."""
-    rows = []
+    rows, calibration = [], []
     for n in sizes:
+        cal = calibrate(n)
+        calibration.append(cal)
+        log(f"  {n:5d} slices, one pipelined step's calls: driver CPU {cal['real_cpu_s'] * 1e3:.0f} ms on real actors, "
+            f"{cal['fake_cpu_s'] * 1e3:.0f} ms on the fakes ({cal['fake_over_real']:.2f}x)")
         for on in (False, True):
-            r = measure(n, steps=steps, failures=0, step_s=step_s, pipeline=on)
+            r = measure(n, steps=steps, failures=0, step_s=step_s, pipeline=on, clocks=clocks)
             r["overhead_s"] = r["step_wall_mean_s"] - step_s
             r["overhead_share"] = r["overhead_s"] / r["step_wall_mean_s"]
             rows.append(r)
             log(f"  {n:5d} fake slices, {step_s:g} s step, pipelined {'on ' if on else 'off'}: "
                 f"{r['step_wall_mean_s'] * 1e3:8.1f} ms/step (median {r['step_wall_s'] * 1e3:.1f}), driver overhead {r['overhead_s'] * 1e3:7.1f} ms "
                 f"({100 * r['overhead_share']:.1f}% of the step; driver CPU {r['step_cpu_s'] * 1e3:.0f} ms/step, "
-                f"controller only {r['step_cpu_ctl_s'] * 1e3:.0f} ms)")
-    return {"sizes": list(sizes), "step_s": step_s, "steps": steps, "rows": rows}
+                f"controller only {r['step_cpu_ctl_s'] * 1e3:.0f} ms; clock actors {r.get('clock_cpu_per_step_s', 0) * 1e3:.0f} ms)")
+    return {"sizes": list(sizes), "step_s": step_s, "steps": steps, "clocks": clocks, "rows": rows,
+            "calibration": calibration}
 
 
 # Targets of issue #13 for the driver's overhead, as a share of a 1 s step.
@@ -188,8 +199,8 @@ OVERHEAD_TARGETS = {256: 0.05, 1024: 0.10}
 def pipelined_table(result: dict) -> str:
     lines = [
         f"| slices | pipelined | per step, wall (ms): mean | … median [min–max] | driver overhead (ms) | share of the step "
-        f"| target | driver CPU per step (ms) | … controller only (ms) | steps measured |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| target | driver CPU per step (ms) | … controller only (ms) | clock actors' CPU per step (ms) | steps measured |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         a = r["step_wall_all_s"]
@@ -198,7 +209,12 @@ def pipelined_table(result: dict) -> str:
             f"| {r['slices']} | {'yes' if r['pipelined'] else 'no'} | {_ms(r['step_wall_mean_s'])} | {_ms(a['median'])} "
             f"[{_ms(a['min'])}–{_ms(a['max'])}] | {_ms(r['overhead_s'])} | {100 * r['overhead_share']:.1f}% "
             f"| {'≤ %d%%' % (100 * target) if target else ''} | {_ms(r['step_cpu_s'])} | {_ms(r['step_cpu_ctl_s'])} "
-            f"| {r['steps_measured']} |")
+            f"| {_ms(r.get('clock_cpu_per_step_s'))} | {r['steps_measured']} |")
+    if result.get("calibration"):
+        lines += ["", "| slices | one pipelined step's calls, driver CPU (ms): real actors | … the fakes | fakes / real |",
+                  "|---:|---:|---:|---:|"]
+        for c in result["calibration"]:
+            lines.append(f"| {c['slices']} | {_ms(c['real_cpu_s'])} | {_ms(c['fake_cpu_s'])} | {c['fake_over_real']:.2f} |")
     return "\n".join(lines)
 
 

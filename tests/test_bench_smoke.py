@@ -104,7 +104,12 @@ def test_scale_pipelined_tiny(cluster):
     assert not off["pipelined"] and off["steps_issued_ahead"] == 0
     assert on["pipelined"] and on["steps_issued_ahead"] >= 6
     assert on["step_wall_s"] > 0.15  # the clock is honoured: no step beats its compute by much
-    assert "| 8 | yes |" in scale.pipelined_table(result)
+    assert on["clock_cpu_per_step_s"] > 0  # the simulated workers' side, read from the clock actors
+    # The fakes measured against real actors making the same calls.
+    (cal,) = result["calibration"]
+    assert cal["slices"] == 8 and cal["real_cpu_s"] > 0 and cal["fake_cpu_s"] > 0
+    table = scale.pipelined_table(result)
+    assert "| 8 | yes |" in table and "real actors" in table
 
 
 def test_fake_slices_failure_is_actor_died(cluster):
