@@ -32,7 +32,8 @@ an async actor that sleeps until that time (if it is still to come) and
 returns the results: the driver pays a real actor call's submission and
 reply, as it would with a real worker. How close that comes is measured
 (`bench.scale.calibrate`: one step's calls, as the controller makes them,
-on real actors against the fakes): within 10% at 1024 slices. (An earlier
+on real actors against the fakes): 0.74-1.15x of real calls at 256-1024
+slices in the runs so far. (An earlier
 version `ray.put` the results due at once, and overstated the driver's
 work by 45%: a put costs the driver more than a whole call, and one per
 result; passing the call's ref arguments on to the clock overstated it by

@@ -34,8 +34,8 @@ What the fakes leave out: Ray's own cost of submitting the calls, which
 depends on how many ref arguments they carry. It is measured apart, on a
 real (idle) actor, for the gradient hand-off as the controller does it
 (a reduction tree of fan-in APPLY_FAN_IN over the shards, computed on the
-slices, then n apply calls of at most APPLY_FAN_IN refs: O(n)) and as it
-did before (n apply calls of n refs each: O(n^2)).
+slices, down to one sum, then n apply calls of one ref: O(n)) and as it
+did before the tree (n apply calls of n refs each: O(n^2)).
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def calibrate(num_slices: int, steps: int = 4, hosts: int = 4) -> dict:
 def _host_class():
     import ray
 
-    @ray.remote(num_cpus=0, max_concurrency=3, concurrency_groups={"compute": 1})
+    @ray.remote(num_cpus=0, max_concurrency=3, concurrency_groups={"compute": 1, "control": 1})
     class Host:
         """A real actor standing in for many slices' workers in `calibrate`:
         the calls and replies of `worker.SliceWorker`, no JAX."""
@@ -304,8 +304,9 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
     """Driver-side time to submit one step's gradient hand-off to real Ray
     (the fakes pass refs in-process, so Ray's per-argument work is measured
     here, on an idle actor): as the controller does it now (a reduction
-    tree of fan-in APPLY_FAN_IN, then n apply calls of at most that many
-    refs), and as it did before (n apply calls of n refs each)."""
+    tree of fan-in APPLY_FAN_IN down to one sum, then n apply calls of one
+    ref each), and as it did before the tree (n apply calls of n refs
+    each)."""
     import ray
 
     from ray_elastic.step_runner import APPLY_FAN_IN
@@ -330,8 +331,9 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
         reps = max(3, min(8, 4096 // num_slices))
         t0 = time.perf_counter()
         for _ in range(reps):
-            level = list(refs)
-            while len(level) > APPLY_FAN_IN:
+            level, built = list(refs), False
+            while len(level) > APPLY_FAN_IN or (built and len(level) > 1):  # as StepRunner._deeper
+                built = True
                 level = [sink.reduce.remote(0, (), level[j:j + APPLY_FAN_IN])
                          for j in range(0, len(level), APPLY_FAN_IN)]
             out = [sink.apply.options(num_returns=1).remote(0, False, list(level)) for _ in range(num_slices)]

@@ -23,7 +23,8 @@ from ray import exceptions as rex
 
 from ray_elastic.errors import FAILURE_TYPES, FailureKind, InputsAborted, InputsLost, SliceFailure
 
-__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "runtime_error", "short"]
+__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "ping_ref", "runtime_error",
+           "short"]
 
 TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
 
@@ -43,6 +44,13 @@ class Probe(Protocol):
 
     def ping(self, worker: Any, timeout_s: float) -> None:
         """Raise a RayError if the worker does not answer within timeout_s."""
+
+
+def ping_ref(worker: Any):
+    """A liveness ping's reply. On the workers' `control` group: their
+    default group's threads may all be taken by reduce and apply calls
+    waiting for inputs, and a busy worker is not a dead or frozen one."""
+    return worker.ping.options(concurrency_group="control").remote()
 
 
 def is_node_alive(node_id: str) -> bool:
@@ -92,7 +100,7 @@ class RayProbe:
             channel.close()
 
     def ping(self, worker: Any, timeout_s: float) -> None:
-        ray.get(worker.ping.remote(), timeout=timeout_s)
+        ray.get(ping_ref(worker), timeout=timeout_s)
 
 
 def runtime_error(exc: BaseException) -> bool:

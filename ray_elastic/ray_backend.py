@@ -17,7 +17,7 @@ from ray import exceptions as rex
 from ray_elastic.backend import SliceUp
 from ray_elastic.checkpoint.host_writes import HostRestore
 from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
-from ray_elastic.failure_location import FailureLocator, RayProbe, short
+from ray_elastic.failure_location import FailureLocator, RayProbe, ping_ref, short
 from ray_elastic.slice_group import LiveSlice, Provisioning, RaySlices
 from ray_elastic.step_runner import StepResult, StepRunner
 
@@ -196,7 +196,7 @@ class RayBackend:
 
 def _answers(workers: list, timeout_s: float = 2.0) -> bool:
     try:
-        ray.get([w.ping.remote() for w in workers], timeout=timeout_s)
+        ray.get([ping_ref(w) for w in workers], timeout=timeout_s)
         return True
     except rex.RayError:
         return False

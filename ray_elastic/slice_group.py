@@ -27,7 +27,8 @@ from ray_elastic.worker import SliceWorker
 __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
 
 # A sharded checkpoint's write runs on its own thread (host_writes.py);
-# `control` calls (abort_waits) reach a worker whose main thread waits.
+# `control` calls (abort_waits, liveness pings) reach a worker whose other
+# threads wait.
 # Gradient calls run on a thread of their own (`compute`): the reduce and
 # apply calls that wait for them hold threads of the default group while
 # they wait, and a pipelined gradient call (its argument, the apply before
@@ -136,9 +137,9 @@ class RaySlices:
         opts: dict[str, Any] = {
             "num_cpus": bundle.pop("CPU", 0),
             "max_restarts": 0,
-            # Reduce and apply calls waiting for their inputs, and a liveness
-            # ping, may all be running at once (gradient calls, snapshots
-            # and aborts have threads of their own: the groups above).
+            # Reduce and apply calls waiting for their inputs may all be
+            # running at once (gradient calls, snapshots, aborts and
+            # liveness pings have threads of their own: the groups above).
             "max_concurrency": 3,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host
