@@ -33,13 +33,13 @@ returns the results: the driver pays a real actor call's submission and
 reply, as it would with a real worker. How close that comes is measured
 (`bench.scale.calibrate`: one step's calls, as the controller makes them,
 on real actors against the fakes): 0.74-1.15x of real calls at 256-1024
-slices in the runs so far. (An earlier
-version `ray.put` the results due at once, and overstated the driver's
-work by 45%: a put costs the driver more than a whole call, and one per
-result; passing the call's ref arguments on to the clock overstated it by
-30%.) A call any of whose arguments failed
-fails too and changes no state, as a Ray task whose dependency failed
-never runs. The driver's work is then the step's wall time less step_s;
+slices in the runs so far. (An earlier version `ray.put` the results due
+at once, and overstated the driver's work by 45%: a put costs the driver
+more than a whole call, and one per result; passing the call's ref
+arguments on to the clock overstated it by 30%.) A call any of whose
+arguments failed fails too and changes no state, as a Ray task whose
+dependency failed never runs. The driver's work is then the step's wall
+time less step_s;
 the fakes' own share (`fake_s`: their results and the clock calls,
 standing in for Ray's per-call work) is counted apart as before.
 
