@@ -8,7 +8,8 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - compare: ray_elastic (pause, resize) side by side with Ray Train v2
   (FailureConfig, elastic ScalingConfig) and a full restart, per fault
   scenario, plus chaos, step-time overheads and the goals;
-- scale: the real controller against 16..1024 simulated slices;
+- scale: the real controller against 16..1024 simulated slices (`--step-s 1`:
+  pipelined dispatch; `--floor`: the driver's calls alone, no controller);
 - detect: node removal and a frozen node on Ray's default health checks
   and on the tuned ones, side by side;
 - soak: a long chaos run per policy (six fault kinds, one every 20-60 s) on
@@ -61,6 +62,9 @@ def main(argv=None) -> int:
     parser.add_argument("--step-s", type=float, default=None,
                         help="scale: simulated compute per step (e.g. 1): pipelined dispatch off vs on, "
                              "driver overhead per step (default sizes 256,1024)")
+    parser.add_argument("--floor", action="store_true",
+                        help="scale: the driver's calls alone, no controller (bench/call_floor.py): today's pattern, "
+                             "a folded one and one bare call per slice, 1 s compute (default sizes 256,1024)")
     parser.add_argument("--minutes", type=float, default=30.0, help="soak: length of each chaos run (default 30)")
     parser.add_argument("--policy", default="both", choices=("pause", "resize", "both"),
                         help="soak: the policy of the chaos run(s) (default both)")
@@ -193,6 +197,21 @@ def main(argv=None) -> int:
     from bench import scale
 
     cluster = start_cluster(0)  # the fakes need no worker nodes
+    if args.floor:
+        from bench import call_floor
+
+        try:
+            result = call_floor.run(sizes=args.sizes or [256, 1024], rounds=args.runs or 2, steps=args.steps or 14,
+                                    step_s=args.step_s or 1.0)
+        finally:
+            cluster.shutdown()
+        text = call_floor.table(result)
+        print(text)
+        for ext, body in (("json", json.dumps(result, indent=1)), ("md", text + "\n")):
+            with open(os.path.join(args.out, f"scale_floor.{ext}"), "w") as f:
+                f.write(body)
+        print(f"\nwrote scale_floor.json and .md under {args.out} ({time.monotonic() - t0:.0f} s)")
+        return 0
     if args.step_s:
         try:
             result = scale.pipelined(sizes=args.sizes or [256, 1024], step_s=args.step_s, steps=args.steps or 20)

@@ -112,6 +112,23 @@ def test_scale_pipelined_tiny(cluster):
     assert "| 8 | yes |" in table and "real actors" in table
 
 
+def test_call_floor_tiny(cluster):
+    """`python -m bench scale --floor`: every call pattern runs its steps
+    at the compute's pace (no step beats it: the simulated slices compute
+    one step at a time), and one bare call per slice costs the driver less
+    per step than today's two calls per slice and the reduction tree."""
+    from bench import call_floor
+
+    result = call_floor.run(sizes=[64], rounds=1, steps=6, step_s=0.2, log=lambda *a: None)
+    cells = {c["pattern"]: c for c in result["cells"]}
+    assert set(cells) == set(call_floor.PATTERNS)
+    for c in cells.values():
+        assert c["step_wall_mean_s"] > 0.19, c
+        assert c["driver_cpu_per_step_s"] > 0 and c["sim_cpu_per_step_s"] > 0, c
+    assert cells["bare"]["driver_cpu_per_step_s"] < cells["today"]["driver_cpu_per_step_s"]
+    assert "| 64 | folded | 1 + tree |" in call_floor.table(result)
+
+
 def test_fake_slices_failure_is_actor_died(cluster):
     """The fake's failure is a real ActorDiedError from ray.get."""
     import ray
