@@ -197,32 +197,26 @@ def main(argv=None) -> int:
     from bench import scale
 
     cluster = start_cluster(0)  # the fakes need no worker nodes
-    if args.floor:
+    if args.floor or args.step_s:
         from bench import call_floor
 
+        sizes = args.sizes or [256, 1024]
         try:
-            result = call_floor.run(sizes=args.sizes or [256, 1024], rounds=args.runs or 2, steps=args.steps or 14,
-                                    step_s=args.step_s or 1.0)
+            if args.floor:
+                name = "scale_floor"
+                result = call_floor.run(sizes=sizes, rounds=args.runs or 2, steps=args.steps or 14,
+                                        step_s=args.step_s or 1.0)
+            else:
+                name = "scale_pipelined"
+                result = scale.pipelined(sizes=sizes, step_s=args.step_s, steps=args.steps or 20)
         finally:
             cluster.shutdown()
-        text = call_floor.table(result)
+        text = (call_floor.table if args.floor else scale.pipelined_table)(result)
         print(text)
         for ext, body in (("json", json.dumps(result, indent=1)), ("md", text + "\n")):
-            with open(os.path.join(args.out, f"scale_floor.{ext}"), "w") as f:
+            with open(os.path.join(args.out, f"{name}.{ext}"), "w") as f:
                 f.write(body)
-        print(f"\nwrote scale_floor.json and .md under {args.out} ({time.monotonic() - t0:.0f} s)")
-        return 0
-    if args.step_s:
-        try:
-            result = scale.pipelined(sizes=args.sizes or [256, 1024], step_s=args.step_s, steps=args.steps or 20)
-        finally:
-            cluster.shutdown()
-        text = scale.pipelined_table(result)
-        print(text)
-        for ext, body in (("json", json.dumps(result, indent=1)), ("md", text + "\n")):
-            with open(os.path.join(args.out, f"scale_pipelined.{ext}"), "w") as f:
-                f.write(body)
-        print(f"\nwrote scale_pipelined.json and .md under {args.out} ({time.monotonic() - t0:.0f} s)")
+        print(f"\nwrote {name}.json and .md under {args.out} ({time.monotonic() - t0:.0f} s)")
         return 0
     try:
         sizes = args.sizes or list(scale.SIZES)
