@@ -193,12 +193,17 @@ class StepRunner:
         try:
             self._gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
             for level in pre.levels:
+                if self._reissued != reissued:
+                    # The next level holds a re-issued call's void ref: its
+                    # calls fail on that input, and a transient error would
+                    # be re-issued with the same input until the deadline.
+                    break
                 self._gather(level, k, wait, live)
             if self._reissued != reissued:
                 # A re-issued call's dependents hold its void ref: hand off again.
                 self.drop_ahead()
                 return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait)
-            result = StepResult(self._gather(applies, k, wait, live), snaps)
+            result = StepResult(self._gather(applies, k, wait, live), snaps())
         except BaseException:
             self.drop_ahead()  # the step failed: what was issued after it is void
             raise
@@ -302,31 +307,35 @@ class StepRunner:
         grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
                      for g in range(groups)}
         issued, snaps = self._issue_apply(k, live, grad_refs, takers)
-        return StepResult(self._gather(issued, k, wait, live), snaps)
+        return StepResult(self._gather(issued, k, wait, live), snaps())
 
-    def _issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, dict]:
+    def _issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], dict]]:
         """The apply calls: host h takes grad_refs[h] (a sharded layout) or
-        grad_refs[0]; a list is every host's."""
+        grad_refs[0]; a list is every host's. Returns the calls and what
+        gives the snapshots' refs once they are gathered (a re-issued call
+        replaces its snapshot's ref)."""
         if isinstance(grad_refs, list):
             grad_refs = {0: grad_refs}
-        issued, snaps = [], {}
+        issued, parts = [], {}  # parts: slice -> {host: its snapshot's ref}
         for s, sl in sorted(live.items()):
             per_host = senders(sl) > 1
-            parts = []
             for h, w in enumerate(sl.workers):
                 # A sharded slice's hosts each snapshot their own blocks.
                 take = (h == 0 or per_host) and s in takers
                 refs = grad_refs[h if per_host else 0]
 
-                def call(w=w, take=take, refs=refs):
-                    return w.apply.options(num_returns=2).remote(k, take, list(refs), self._epoch)
+                def call(w=w, take=take, refs=refs, s=s, h=h):
+                    m_ref, snap_ref = w.apply.options(num_returns=2).remote(k, take, list(refs), self._epoch)
+                    if take:
+                        parts.setdefault(s, {})[h] = snap_ref
+                    return m_ref
 
-                m_ref, snap_ref = call()
-                if take:
-                    parts.append(snap_ref)
-                issued.append((s, h, m_ref, lambda call=call: call()[0]))
-            if parts:
-                snaps[s] = tuple(parts) if per_host else parts[0]
+                issued.append((s, h, call(), call))
+
+        def snaps() -> dict:
+            return {s: tuple(refs[h] for h in sorted(refs)) if senders(live[s]) > 1 else refs[0]
+                    for s, refs in parts.items()}
+
         self._applies = [(s, ref) for s, _, ref, _ in issued]
         self._workers = {s: list(sl.workers) for s, sl in live.items()}
         return issued, snaps

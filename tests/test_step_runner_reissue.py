@@ -1,0 +1,176 @@
+"""StepRunner's re-issue of a call whose error is transient (the worker
+answers a ping right after), with Ray's object API faked: a real
+`ActorUnavailableError` cannot be made to order on a local cluster. The
+errors are Ray's own classes; the failure classification (failure_location)
+is the real one, over a probe whose workers all answer."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from ray import exceptions as rex
+
+import ray_elastic.step_runner as step_runner
+from ray_elastic.errors import SliceFailure
+from ray_elastic.failure_location import FailureLocator
+from ray_elastic.slice_group import LiveSlice
+from ray_elastic.step_runner import StepRunner
+
+
+class Ref:
+    """Stands for an ObjectRef: a value, or the error a get raises."""
+
+    def __init__(self, value=None, error: Exception = None):
+        self.value, self.error = value, error
+
+
+def _get(x):
+    if isinstance(x, list):
+        return [_get(r) for r in x]
+    if x.error is not None:
+        raise x.error
+    return x.value
+
+
+def _fake_ray(clock):
+    def wait(refs, num_returns=1, timeout=None):
+        clock.t += 0.01  # every wait takes a little time: a loop meets its deadline
+        return list(refs[:num_returns]), list(refs[num_returns:])
+
+    return types.SimpleNamespace(wait=wait, get=_get, cancel=lambda ref: None)
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class _Method:
+    def __init__(self, fn):
+        self._fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+def _unavailable() -> Exception:
+    return rex.ActorUnavailableError("the actor is temporarily unreachable", None)
+
+
+class _Worker:
+    """A slice's one host: sums its inputs; `flaky` names the calls whose
+    first try fails with ActorUnavailableError, as a brief network fault would."""
+
+    def __init__(self, s: int, flaky: set, calls: list):
+        self.s, self._flaky, self._calls = s, flaky, calls
+        self.compute_grads = _Method(self._grads)
+        self.reduce = _Method(self._reduce)
+        self.apply = _Method(self._apply)
+        self.ping = _Method(lambda: Ref(True))
+
+    def _fails(self, name: str) -> bool:
+        self._calls.append((name, self.s))
+        if (name, self.s) in self._flaky:
+            self._flaky.discard((name, self.s))
+            return True
+        return False
+
+    def _grads(self, k, shards, *after):
+        if self._fails("grads"):
+            return Ref(error=_unavailable()), Ref(error=_unavailable())
+        return Ref({"loss": 1.0}), Ref({shard: float(shard + 1) for shard in shards})
+
+    @staticmethod
+    def _inputs(parts):
+        failed = [p.error for p in parts if p.error is not None]
+        return failed[0] if failed else None
+
+    def _reduce(self, k, keys, parts, epoch):
+        # A real worker's fetch of an errored input raises it again, and
+        # the call's error is that input's (RayTaskError.as_instanceof_cause).
+        error = self._inputs(parts)
+        if error is not None or self._fails("reduce"):
+            error = error or _unavailable()
+            return Ref(error=error), Ref(error=error)
+        total = sum(v for p in parts for v in p.value.values())
+        return Ref({"count": len(keys)}), Ref({keys[0]: total})
+
+    def _apply(self, k, take, parts, epoch):
+        error = self._inputs(parts)
+        if error is not None or self._fails("apply"):
+            error = error or _unavailable()
+            return Ref(error=error), Ref(error=error)
+        total = sum(v for p in parts for v in p.value.values())
+        return Ref({"step": k + 1, "loss": total}), Ref({"step": k + 1, "sum": total} if take else None)
+
+
+class _Probe:
+    def node_alive(self, node_id):
+        return True
+
+    def raylet_reachable(self, node_id):
+        return True
+
+    def ping(self, worker, timeout_s):
+        return True
+
+
+@pytest.fixture
+def runner(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(step_runner, "ray", _fake_ray(clock))
+    locator = FailureLocator(_Probe(), clock, lambda s: setattr(clock, "t", clock.t + s), confirm_s=1.0)
+    return StepRunner(locator, clock, fan_in=2, pipeline=True)
+
+
+def _slices(flaky: set, calls: list, n: int = 3) -> dict:
+    return {s: LiveSlice(s, [_Worker(s, flaky, calls)], [{"node_id": f"node-{s}", "pid": 100 + s, "ip": ""}])
+            for s in range(n)}
+
+
+def test_a_gradient_call_reissued_under_a_tree_still_completes_the_step(runner):
+    """3 slices, fan-in 2: the tree's reduce calls took slice 1's first
+    payload. Once its gradient call is re-issued they can only fail on that
+    input, and re-issuing them would fail the same way until the step's
+    deadline, blaming a healthy slice; the step is handed off again on the
+    new payloads instead."""
+    calls: list = []
+    live = _slices({("grads", 1)}, calls)
+    assignment = {s: (s,) for s in live}
+    result = runner.run(0, live, assignment, frozenset({0}), deadline_s=5.0)
+    assert set(result.metrics) == {(0, 0), (1, 0), (2, 0)}
+    assert all(m["loss"] == 6.0 for m in result.metrics.values())  # 1 + 2 + 3: every shard, once
+    assert calls.count(("grads", 1)) == 2  # re-issued once, no more
+    assert result.snapshots[0].value == {"step": 1, "sum": 6.0}
+
+
+def test_a_reissued_apply_hands_back_its_own_snapshot(runner):
+    calls: list = []
+    live = _slices({("apply", 0)}, calls)
+    result = runner.run(0, live, {s: (s,) for s in live}, frozenset({0}), deadline_s=5.0)
+    assert calls.count(("apply", 0)) == 2
+    snap = result.snapshots[0]
+    assert snap.error is None and snap.value == {"step": 1, "sum": 6.0}
+
+
+def test_a_call_that_keeps_failing_is_still_a_failure(runner):
+    """The guard is not a blanket retry: a worker that does not answer its
+    ping is the slice's failure."""
+    calls: list = []
+    live = _slices(set(), calls)
+
+    def grads(k, shards, *after):
+        return Ref(error=_unavailable()), Ref(error=_unavailable())
+
+    live[2].workers[0].compute_grads = _Method(grads)
+    live[2].workers[0].ping = _Method(lambda: Ref(error=_unavailable()))
+    runner.locator.probe.ping = lambda worker, timeout_s: _get(worker.ping.remote())
+    with pytest.raises(SliceFailure) as e:
+        runner.run(0, live, {s: (s,) for s in live}, frozenset(), deadline_s=5.0)
+    assert e.value.slice_id == 2
