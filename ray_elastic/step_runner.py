@@ -24,8 +24,8 @@ Pipelined dispatch (`pipeline`, on unless RAY_ELASTIC_PIPELINE=0; replicated
 layouts): a step's calls are issued as one graph, without waiting between
 phases (Ray hands each result on as it is ready), and with `ahead` the
 next step's gradient phase and reduction tree are issued before this step
-is gathered, each gradient call after its own worker's apply (the apply's
-reply is its argument, so Ray runs it once the apply is done). The driver
+is gathered, each gradient call after its slice's applies (their replies
+are its arguments, so Ray runs it once they are done). The driver
 then works while the slices compute: a step costs max(compute, driver)
 rather than their sum. Only pure calls are issued ahead; the next apply
 waits for the step boundary. Every apply depends on every gradient call of
@@ -187,7 +187,13 @@ class StepRunner:
         on_issued()
         applies, snaps = self._issue_apply(k, live, pre.tops, takers)
         if ahead is not None:
-            after = {(s, h): ref for s, h, ref, _ in applies}
+            # Each host's next gradient call waits for every apply of its
+            # slice: were one host's apply aborted after a failure and
+            # another's done, the done host alone would enter the step's
+            # collectives and hold its one gradient thread for good.
+            after: dict = {}
+            for s, _, ref, _ in applies:
+                after.setdefault(s, []).append(ref)
             self._ahead = self._issue(k + 1, live, ahead, after)
         reissued = self._reissued
         try:
@@ -236,7 +242,7 @@ class StepRunner:
 
     def _issue(self, k: int, live: Mapping, assignment: Mapping, after: Optional[dict] = None) -> _Issued:
         """Phase 1 and the reduction tree of step k as one graph (nothing
-        gathered); each gradient call waits for `after[(slice, host)]`."""
+        gathered); each gradient call waits for `after[slice]`."""
         grads, payloads = self._issue_grads(k, live, assignment, after)
         holder = self._holder(assignment, payloads)
         first = min(holder)
@@ -284,12 +290,12 @@ class StepRunner:
                      after: Optional[dict] = None) -> tuple[list, dict]:
         """Phase-1 calls on every host of the slices in `shards_of`; the
         payloads dict fills with each slice's gradients: {host: ref} (only
-        the sending hosts' hold any). With `after`, each call takes
-        after[(slice, host)] as an argument: Ray runs it once that is done."""
+        the sending hosts' hold any). With `after`, each call takes the refs
+        after[slice] as arguments: Ray runs it once they are all done."""
         payloads: dict[int, dict] = {}
 
         def grads_call(w, s: int, h: int):
-            extra = (after[(s, h)],) if after else ()
+            extra = tuple(after[s]) if after else ()
             status, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(
                 k, shards_of[s], *extra)
             payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it

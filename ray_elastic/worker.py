@@ -301,7 +301,8 @@ class SliceWorker:
         controller reads only the small status; the payload (the gradients)
         goes from here to the slices that reduce or apply it, never through
         the driver. `after`: ignored; a pipelined call passes the previous
-        step's apply reply, so that Ray runs it once that apply is done.
+        step's apply replies of every host of the slice, so that Ray runs it
+        once they are all done (and not at all if one failed).
         """
         if step != self._step:
             raise RuntimeError(f"slice {self.slice_id} holds step {self._step}, asked for {step}")

@@ -49,13 +49,19 @@ class _Clock:
 
 
 class _Method:
-    def __init__(self, fn):
-        self._fn = fn
+    def __init__(self, fn, num_returns: int = 1):
+        self._fn, self._num_returns = fn, num_returns
 
-    def options(self, **_):
-        return self
+    def options(self, num_returns: int = 1, **_):
+        return _Method(self._fn, num_returns)
 
     def remote(self, *args):
+        # As in Ray: a call whose argument (a ref, not one inside a list)
+        # failed never runs, and its returns hold that error.
+        failed = [a.error for a in args if isinstance(a, Ref) and a.error is not None]
+        if failed:
+            refs = [Ref(error=failed[0]) for _ in range(self._num_returns)]
+            return refs[0] if self._num_returns == 1 else refs
         return self._fn(*args)
 
 
@@ -67,8 +73,8 @@ class _Worker:
     """A slice's one host: sums its inputs; `flaky` names the calls whose
     first try fails with ActorUnavailableError, as a brief network fault would."""
 
-    def __init__(self, s: int, flaky: set, calls: list):
-        self.s, self._flaky, self._calls = s, flaky, calls
+    def __init__(self, s: int, flaky: set, calls: list, h: int = 0):
+        self.s, self.h, self._flaky, self._calls = s, h, flaky, calls
         self.compute_grads = _Method(self._grads)
         self.reduce = _Method(self._reduce)
         self.apply = _Method(self._apply)
@@ -82,8 +88,11 @@ class _Worker:
         return False
 
     def _grads(self, k, shards, *after):
+        self._calls.append(("grads ran", self.s, self.h, k))
         if self._fails("grads"):
             return Ref(error=_unavailable()), Ref(error=_unavailable())
+        if self.h > 0:  # host 0 sends the slice's gradients
+            return Ref({"loss": 1.0}), Ref({})
         return Ref({"loss": 1.0}), Ref({shard: float(shard + 1) for shard in shards})
 
     @staticmethod
@@ -102,6 +111,8 @@ class _Worker:
         return Ref({"count": len(keys)}), Ref({keys[0]: total})
 
     def _apply(self, k, take, parts, epoch):
+        if ("apply dies", self.s, self.h) in self._flaky:
+            return Ref(error=rex.ActorDiedError()), Ref(error=rex.ActorDiedError())
         error = self._inputs(parts)
         if error is not None or self._fails("apply"):
             error = error or _unavailable()
@@ -174,3 +185,22 @@ def test_a_call_that_keeps_failing_is_still_a_failure(runner):
     with pytest.raises(SliceFailure) as e:
         runner.run(0, live, {s: (s,) for s in live}, frozenset(), deadline_s=5.0)
     assert e.value.slice_id == 2
+
+
+def test_no_host_computes_the_next_step_unless_its_whole_slice_applied(runner):
+    """Two hosts a slice, the next step issued ahead: host 1 of slice 1
+    dies in its apply. Host 0's next gradient call must not run (alone, it
+    would enter collectives its peer never joins, and hold its one gradient
+    thread): it waits for every apply of its slice, and one failed."""
+    calls: list = []
+    flaky = {("apply dies", 1, 1)}
+    live = {s: LiveSlice(s, [_Worker(s, flaky, calls, h) for h in range(2)],
+                         [{"node_id": f"node-{s}-{h}", "pid": 100 + 2 * s + h, "ip": ""} for h in range(2)])
+            for s in range(3)}
+    assignment = {s: (s,) for s in live}
+    with pytest.raises(SliceFailure) as e:
+        runner.run(0, live, assignment, frozenset(), deadline_s=5.0, ahead=assignment)
+    assert e.value.slice_id == 1
+    ran = {(s, h) for name, s, h, k in (c for c in calls if c[0] == "grads ran") if k == 1}
+    assert (1, 0) not in ran and (1, 1) not in ran
+    assert {(0, 0), (0, 1), (2, 0), (2, 1)} <= ran  # the other slices' went ahead as issued
