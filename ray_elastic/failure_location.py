@@ -237,8 +237,8 @@ class FailureLocator:
         only blocked on it). Every host of a waiting call's slice is asked,
         not only the waiting ones: a host that finished its part and then
         died leaves its peers blocked in a collective with it, and nothing
-        of its own still waiting. Workers run pings beside a step
-        (slice_group: max_concurrency)."""
+        of its own still waiting. Workers answer pings on a thread of their
+        own, beside a step (slice_group: the `control` group)."""
         suspects = sorted({(s, h) for s, _ in candidates for h in range(len(live[s].workers))})
         quiet = None
         for s, h in suspects:

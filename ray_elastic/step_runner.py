@@ -125,6 +125,8 @@ class StepRunner:
         self.locator = locator
         self._clock = clock
         self.fan_in = fan_in or APPLY_FAN_IN  # read now: tests lower it
+        if self.fan_in < 2:
+            raise ValueError(f"fan_in must be at least 2 (a tree of fan-in 1 never ends), got {self.fan_in}")
         self.pipeline = pipeline_default() if pipeline is None else pipeline
         self._ahead: Optional[_Issued] = None  # the next step, issued ahead
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
