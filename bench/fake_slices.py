@@ -229,7 +229,7 @@ class FakeWorker:
     def _state_template(self) -> dict:
         return {"params": {"w": (self._owner.flat.shape, str(self._owner.flat.dtype))}, "opt_state": {}}
 
-    def _abort_waits(self, epoch: int) -> None:
+    def _abort_waits(self, epoch: int, from_step: int = 0) -> None:
         return None  # a fake's inputs are never on a lost node
 
     def _held_step(self) -> int:

@@ -20,17 +20,36 @@ from typing import Callable
 
 from ray_elastic.errors import InputsAborted, InputsLost
 
-__all__ = ["InputsAborted", "InputsLost", "fetch_inputs", "POLL_S"]
+__all__ = ["Aborts", "InputsAborted", "InputsLost", "fetch_inputs", "POLL_S"]
 
 POLL_S = 0.02  # how often a waiting call looks for an abort
 
 
+class Aborts:
+    """Which of a worker's waiting calls must give up. The controller's
+    StepRunner numbers its calls by epoch (one per failure) and step.
+    After a failure, the calls it issued ahead for the next step are void
+    whatever was lost (it drops them), while the failed step's own applies
+    are given up on only when the lost slice's node is gone or silent
+    (after a process death its gradients still arrive and the survivors
+    complete the step)."""
+
+    def __init__(self) -> None:
+        self._marks: dict[int, int] = {}  # epoch -> first step of it given up
+
+    def abort(self, epoch: int, from_step: int = 0) -> None:
+        """Calls of `epoch` or before, for step `from_step` or later."""
+        self._marks[epoch] = min(from_step, self._marks.get(epoch, from_step))
+
+    def covers(self, epoch: int, step: int) -> bool:
+        return any(epoch <= e and step >= first for e, first in list(self._marks.items()))
 
 
 def fetch_inputs(refs: list, aborted: Callable[[], bool], what: str) -> tuple:
     """The values of `refs` (other items pass through), in order; raises
-    InputsAborted once `aborted()` is true while some are still coming, a
-    lost input's own Ray error, or InputsLost when Ray's client itself
+    InputsAborted once `aborted()` is true while some are still coming, the
+    first failed input's own Ray error as soon as it is known (not once the
+    others are in), or InputsLost when Ray's client itself
     fails (this worker's raylet gone: a broken pipe, a connection reset)."""
     import ray
 
@@ -43,25 +62,37 @@ def fetch_inputs(refs: list, aborted: Callable[[], bool], what: str) -> tuple:
 
 
 def _fetch(ray, refs: list, aborted: Callable[[], bool], what: str) -> tuple:
-    pending = [r for r in refs if isinstance(r, ray.ObjectRef)]
-    if pending:
-        _, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-    if pending:
+    wanted = list(dict.fromkeys(r for r in refs if isinstance(r, ray.ObjectRef)))
+    got: dict = {}
+    left = wanted
+    if wanted:
+        ready, left = ray.wait(wanted, num_returns=len(wanted), timeout=0)
+        if ready:
+            got.update(zip(ready, ray.get(ready)))  # a failed input raises here
+    if left:
         # Ray's wait cannot be interrupted: it runs on a thread of its own
-        # (left behind on an abort until Ray settles the input, as a value
-        # or an error), and this one looks for an abort in between.
-        arrived = threading.Event()
+        # (left behind on an abort until Ray settles the inputs still
+        # coming), and this one looks for an abort in between. Inputs are
+        # taken as they arrive, so the first that failed ends the wait: the
+        # call is void, and waiting on for the others (a step's gradients
+        # still computing) would hold one of the worker's threads for
+        # nothing.
+        arrived, failed = threading.Event(), []
 
-        def wait_all():
+        def take_as_they_come(left=left):
             try:
-                ray.wait(pending, num_returns=len(pending), timeout=None)
+                while left:
+                    ready, left = ray.wait(left, num_returns=1, timeout=None)
+                    got.update(zip(ready, ray.get(ready)))
+            except BaseException as e:  # raised below, on the call's thread
+                failed.append(e)
             finally:
                 arrived.set()
 
-        threading.Thread(target=wait_all, daemon=True, name="inputs").start()
+        threading.Thread(target=take_as_they_come, daemon=True, name="inputs").start()
         while not arrived.wait(POLL_S):
             if aborted():
                 raise InputsAborted(f"{what} given up: a slice was lost")
-    got = [r for r in refs if isinstance(r, ray.ObjectRef)]
-    values = iter(ray.get(got) if got else ())  # no refs: no Ray call (nor its auto-init)
-    return tuple(next(values) if isinstance(r, ray.ObjectRef) else r for r in refs)
+        if failed:
+            raise failed[0]
+    return tuple(got[r] if isinstance(r, ray.ObjectRef) else r for r in refs)

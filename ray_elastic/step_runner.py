@@ -138,6 +138,7 @@ class StepRunner:
         # a failure, those of the epoch still waiting for an input give up
         # (settle_applies), and later calls get the next epoch.
         self._epoch = 0
+        self._step: Optional[int] = None  # the step last run: those after it were issued ahead
 
     def drop_ahead(self) -> None:
         """Forget the calls issued ahead (their results are never read).
@@ -176,6 +177,7 @@ class StepRunner:
         the next step's assignment, to issue its pure calls early (None:
         the step boundary may change the slices)."""
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
+        self._step = k
         pre = self._ahead
         if pre is not None and self.pipeline and pre.serves(k, live, assignment):
             self._ahead = None
@@ -276,6 +278,7 @@ class StepRunner:
         usual. The reduction is keyed by shard, so the result is bitwise
         the one a failure-free step gives."""
         k, wait = partial.step, _Deadline(self._clock() + deadline_s, deadline_s)
+        self._step = k
         self.drop_ahead()
         self._settle(wait, live)
         kept = {s: ref for s, ref in partial.payloads.items() if s in live}
@@ -363,13 +366,17 @@ class StepRunner:
         that node would arrive, as an error, only after Ray's pull timeout
         (10 s) or its health checks, and hold up every later call to the
         worker. After a process death its gradients, in its node's object
-        store, still arrive, and the survivors complete the step."""
+        store, still arrive, and the survivors complete the step; only the
+        reductions issued ahead for the steps after it give up (dropped,
+        they would wait for the next step's gradients and hold the
+        worker's threads, which the survivors' status calls need)."""
         applies, self._applies = self._applies, []
         epoch, self._epoch = self._epoch, self._epoch + 1
+        from_step = 0 if abort_waits else None if self._step is None else self._step + 1
         for s, workers in self._workers.items():
-            if abort_waits and (slices is None or s in slices):
+            if from_step is not None and (slices is None or s in slices):
                 for w in workers:
-                    w.abort_waits.options(concurrency_group="control").remote(epoch)
+                    w.abort_waits.options(concurrency_group="control").remote(epoch, from_step)
         for _, ref in applies:
             try:
                 ray.cancel(ref)

@@ -29,7 +29,7 @@ import numpy as np
 from ray_elastic.checkpoint.store import unflatten as _unflatten
 from ray_elastic.data import host_rows
 from ray_elastic.errors import ConfigError
-from ray_elastic.inputs import fetch_inputs
+from ray_elastic.inputs import Aborts, fetch_inputs
 from ray_elastic.program import TrainProgram
 from ray_elastic.readiness import readiness_phases
 from ray_elastic.reduction import divided, reduce_pieces
@@ -70,9 +70,9 @@ class SliceWorker:
         # this constructor (the class and its module loaded).
         self._init_at = time.time()
         self._created_at = created_at
-        # Calls of this epoch or older stop waiting for their inputs
-        # (abort_waits); the controller's StepRunner numbers them.
-        self._aborted_epoch = -1
+        # Which calls stop waiting for their inputs (abort_waits); the
+        # controller's StepRunner numbers them by epoch and step.
+        self._aborts = Aborts()
         self.slice_id = slice_id
         self.host = host
         self.hosts = hosts
@@ -515,15 +515,15 @@ class SliceWorker:
     def held_step(self) -> int:
         return self._step
 
-    def abort_waits(self, epoch: int) -> None:
+    def abort_waits(self, epoch: int, from_step: int = 0) -> None:
         """A slice was lost: every apply or reduction issued in `epoch` or
-        before that still waits for an input stops waiting and raises
-        (it changes nothing). Runs on the `control` concurrency group, so
-        it reaches a call that is waiting."""
-        self._aborted_epoch = max(self._aborted_epoch, epoch)
+        before, for step `from_step` or later, that still waits for an
+        input stops waiting and raises (it changes nothing). Runs on the
+        `control` concurrency group, so it reaches a call that is waiting."""
+        self._aborts.abort(epoch, from_step)
 
     def _inputs(self, refs: list, epoch: int, step: int) -> tuple:
-        return fetch_inputs(refs, lambda: self._aborted_epoch >= epoch,
+        return fetch_inputs(refs, lambda: self._aborts.covers(epoch, step),
                             f"slice {self.slice_id} host {self.host}: step {step}'s inputs")
 
     def ping(self) -> bool:

@@ -55,6 +55,25 @@ def test_a_failed_input_raises_its_error(cluster):
         fetch_inputs([ref], lambda: False, "test")
 
 
+@ray.remote(num_cpus=0)
+def _fails_after(delay_s: float):
+    time.sleep(delay_s)
+    raise ValueError("the slice's gradient call failed")
+
+
+def test_a_failed_input_ends_the_wait_for_the_others(cluster):
+    """A reduction whose inputs are a step's gradients: one slice's call
+    fails while the others still compute. The call is void, and waiting on
+    for the rest would hold one of the worker's threads for nothing."""
+    late = _Late.remote()
+    still_computing = late.value.remote(60.0)
+    t0 = time.monotonic()
+    with pytest.raises(ray.exceptions.RayTaskError, match="gradient call failed"):
+        fetch_inputs([still_computing, _fails_after.remote(0.3)], lambda: False, "step 4's inputs")
+    assert time.monotonic() - t0 < 20  # not the other input's 60 s
+    ray.kill(late)
+
+
 def test_ray_s_client_failing_is_an_input_lost(cluster, monkeypatch):
     """On a worker whose raylet was just killed, Ray's client raises plain
     OSErrors (a broken pipe, a connection reset), which the driver would

@@ -79,6 +79,7 @@ class _Worker:
         self.reduce = _Method(self._reduce)
         self.apply = _Method(self._apply)
         self.ping = _Method(lambda: Ref(True))
+        self.abort_waits = _Method(lambda epoch, from_step: calls.append(("abort_waits", s, h, epoch, from_step)))
 
     def _fails(self, name: str) -> bool:
         self._calls.append((name, self.s))
@@ -204,3 +205,31 @@ def test_no_host_computes_the_next_step_unless_its_whole_slice_applied(runner):
     ran = {(s, h) for name, s, h, k in (c for c in calls if c[0] == "grads ran") if k == 1}
     assert (1, 0) not in ran and (1, 1) not in ran
     assert {(0, 0), (0, 1), (2, 0), (2, 1)} <= ran  # the other slices' went ahead as issued
+
+
+def test_after_a_failure_the_calls_issued_ahead_give_up_whatever_was_lost(runner):
+    """Step 0 fails (slice 1 dies in its apply) with step 1 issued ahead.
+    After a process death the survivors' own step-0 applies still complete
+    (no abort for them), but the reductions issued ahead for step 1 wait
+    for gradients nobody will read, on the threads the survivors' status
+    calls need: they are told to give up. A node loss gives up on all."""
+    from ray_elastic.inputs import Aborts
+
+    calls: list = []
+    live = _slices({("apply dies", 1, 0)}, calls)
+    assignment = {s: (s,) for s in live}
+    with pytest.raises(SliceFailure):
+        runner.run(0, live, assignment, frozenset(), deadline_s=5.0, ahead=assignment)
+    runner.settle_applies(timeout_s=1.0, slices={0, 2}, abort_waits=False)
+    sent = [c[1:] for c in calls if c[0] == "abort_waits"]
+    assert sent == [(0, 0, 0, 1), (2, 0, 0, 1)]  # (slice, host, epoch, from step 1): survivors only
+    runner.settle_applies(timeout_s=1.0, slices={0, 2}, abort_waits=True)
+    assert [c[1:] for c in calls if c[0] == "abort_waits"][2:] == [(0, 0, 1, 0), (2, 0, 1, 0)]
+
+    aborts = Aborts()  # what a worker makes of the first
+    aborts.abort(0, 1)
+    assert aborts.covers(0, 1) and aborts.covers(0, 2)  # issued ahead, in the failed epoch
+    assert not aborts.covers(0, 0)  # the failed step's own calls go on
+    assert not aborts.covers(1, 1)  # calls issued after the failure
+    aborts.abort(1, 0)  # the node loss
+    assert aborts.covers(0, 0) and aborts.covers(1, 5) and not aborts.covers(2, 0)
