@@ -132,7 +132,7 @@ class StepRunner:
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
         self._dropped: list = []  # (slice, status ref) of gradient calls issued ahead and dropped
-        self._applies: list = []  # (slice, metrics ref) of the last step's apply calls
+        self._applies: dict = {}  # (slice, host) -> metrics ref of the last step's apply call (its latest try)
         self._workers: dict = {}  # slice -> its workers, as the last apply calls had them
         # Applies and reductions carry the epoch they were issued in; after
         # a failure, those of the epoch still waiting for an input give up
@@ -328,6 +328,7 @@ class StepRunner:
         if isinstance(grad_refs, list):
             grad_refs = {0: grad_refs}
         issued, parts = [], {}  # parts: slice -> {host: its snapshot's ref}
+        self._applies = {}
         for s, sl in sorted(live.items()):
             per_host = senders(sl) > 1
             for h, w in enumerate(sl.workers):
@@ -339,6 +340,7 @@ class StepRunner:
                     m_ref, snap_ref = w.apply.options(num_returns=2).remote(k, take, list(refs), self._epoch)
                     if take:
                         parts.setdefault(s, {})[h] = snap_ref
+                    self._applies[(s, h)] = m_ref  # a re-issue is the one settle_applies waits for
                     return m_ref
 
                 issued.append((s, h, call(), call))
@@ -347,7 +349,6 @@ class StepRunner:
             return {s: tuple(refs[h] for h in sorted(refs)) if senders(live[s]) > 1 else refs[0]
                     for s, refs in parts.items()}
 
-        self._applies = [(s, ref) for s, _, ref, _ in issued]
         self._workers = {s: list(sl.workers) for s, sl in live.items()}
         return issued, snaps
 
@@ -370,19 +371,19 @@ class StepRunner:
         reductions issued ahead for the steps after it give up (dropped,
         they would wait for the next step's gradients and hold the
         worker's threads, which the survivors' status calls need)."""
-        applies, self._applies = self._applies, []
+        applies, self._applies = self._applies, {}
         epoch, self._epoch = self._epoch, self._epoch + 1
         from_step = 0 if abort_waits else None if self._step is None else self._step + 1
         for s, workers in self._workers.items():
             if from_step is not None and (slices is None or s in slices):
                 for w in workers:
                     w.abort_waits.options(concurrency_group="control").remote(epoch, from_step)
-        for _, ref in applies:
+        for ref in applies.values():
             try:
                 ray.cancel(ref)
             except Exception:  # already done, or its actor gone
                 pass
-        wanted = [ref for s, ref in applies if slices is None or s in slices]
+        wanted = [ref for (s, _), ref in applies.items() if slices is None or s in slices]
         if wanted:
             ray.wait(wanted, num_returns=len(wanted), timeout=timeout_s)
 

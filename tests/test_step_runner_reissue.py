@@ -233,3 +233,20 @@ def test_after_a_failure_the_calls_issued_ahead_give_up_whatever_was_lost(runner
     assert not aborts.covers(1, 1)  # calls issued after the failure
     aborts.abort(1, 0)  # the node loss
     assert aborts.covers(0, 0) and aborts.covers(1, 5) and not aborts.covers(2, 0)
+
+
+def test_after_a_failure_the_reissued_apply_is_the_one_waited_for(runner):
+    """Slice 0's apply was re-issued (a transient error on its first try).
+    A failure later in the step settles the applies before the survivors
+    say which step they hold: the one to wait for is the re-issue (the
+    first try is over, as a failure), else a survivor could be read before
+    its apply lands and be rewound under a state that then moves on."""
+    calls: list = []
+    live = _slices({("apply", 0)}, calls)
+    runner.run(0, live, {s: (s,) for s in live}, frozenset(), deadline_s=5.0)
+    waited: list = []
+    fake_wait = step_runner.ray.wait
+    step_runner.ray.wait = lambda refs, **kw: (waited.extend(refs), fake_wait(refs, **kw))[1]
+    runner.settle_applies(timeout_s=1.0, slices={0, 1, 2})
+    assert len(waited) == 3
+    assert all(r.error is None for r in waited)  # the first try (its error) is not among them
