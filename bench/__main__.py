@@ -59,6 +59,8 @@ def main(argv=None) -> int:
                         help="compare: alternated rounds for the overheads (quick 2, full 5; 0: skip)")
     parser.add_argument("--sizes", type=lambda t: [int(x) for x in _csv(t)], default=None,
                         help="scale: slice counts (default 16,64,256,1024)")
+    parser.add_argument("--patterns", type=_csv, default=None,
+                        help="scale --floor: call patterns (default today,folded,bare,grouped)")
     parser.add_argument("--step-s", type=float, default=None,
                         help="scale: simulated compute per step (e.g. 1): pipelined dispatch off vs on, "
                              "driver overhead per step (default sizes 256,1024)")
@@ -194,18 +196,18 @@ def main(argv=None) -> int:
               f"({time.monotonic() - t0:.0f} s)")
         return 0
 
-    from bench import scale
+    from bench import call_floor, scale
 
+    if args.patterns and (bad := sorted(set(args.patterns) - set(call_floor.PATTERNS))):
+        parser.error(f"unknown pattern(s) {bad}; choose from {', '.join(call_floor.PATTERNS)}")
     cluster = start_cluster(0)  # the fakes need no worker nodes
     if args.floor or args.step_s:
-        from bench import call_floor
-
         sizes = args.sizes or [256, 1024]
         try:
             if args.floor:
                 name = "scale_floor"
                 result = call_floor.run(sizes=sizes, rounds=args.runs or 2, steps=args.steps or 14,
-                                        step_s=args.step_s or 1.0)
+                                        step_s=args.step_s or 1.0, patterns=args.patterns or call_floor.PATTERNS)
             else:
                 name = "scale_pipelined"
                 result = scale.pipelined(sizes=sizes, step_s=args.step_s, steps=args.steps or 20)

@@ -28,6 +28,15 @@ Patterns (n slices, a reduction tree of fan-in 8 down to one sum):
   round trip through the driver on every step's critical path.
 - `bare`: per slice one call with no ref argument and no tree: what one
   call per slice and step costs, whatever it does.
+- `grouped`: today's calls, made by group leaders (`_Leader`, one actor
+  per GROUP slices) instead of the driver. Per step the driver makes one
+  call per leader and the top of the tree over the groups' sums; each
+  leader issues its group's applies, the next step's gradient calls after
+  them and its group's part of the tree, owns their refs, reads every
+  reply and answers with its group's next sum. The driver's CPU is then
+  that of GROUP slices' calls whatever the slice count, and the leaders'
+  (reported apart) spreads over the hosts they run on; here they share
+  the driver's 2 cores, so the step time does not carry over.
 
     python -m bench scale --floor --sizes 256,1024
 """
@@ -39,8 +48,9 @@ import statistics
 import time
 from typing import Sequence
 
-PATTERNS = ("today", "folded", "bare")
+PATTERNS = ("today", "folded", "bare", "grouped")
 FAN_IN = 8
+GROUP = 32  # slices per leader in `grouped`: 1024 slices, 32 leaders
 
 
 def _actors():
@@ -99,7 +109,63 @@ def _actors():
             self.events.setdefault(k, asyncio.Event()).set()
             self.events.pop(k - 2, None)
 
-    return _Sim, _Gate
+    @ray.remote(num_cpus=0, max_concurrency=1000)
+    class _Leader:
+        """One group's calls, as the driver makes them in `today`: the
+        group's slices are `first` .. `first + count - 1`."""
+
+        def __init__(self, sims, first: int, count: int, step_s: float):
+            self.sims, self.slices, self.step_s = sims, range(first, first + count), step_s
+            self.grads = self.reduces = None
+
+        def _sim(self, i: int):
+            return self.sims[i % len(self.sims)]
+
+        def _issue(self, k: int, after: dict) -> list:
+            """Step k's gradient calls (after[i], slice i's apply, done) and
+            the group's part of the tree; the ref of its sum, in a list (so
+            that it stays a ref on its way to the driver)."""
+            self.grads = [self._sim(i).grads.options(num_returns=2).remote(after.get(i), i, k, self.step_s)
+                          for i in self.slices]
+            top, self.reduces = _tree(self._sim, k, [g[1] for g in self.grads], down_to_one=True)
+            return top
+
+        async def start(self, k: int) -> list:
+            return self._issue(k, {})
+
+        async def step(self, k: int, top: list) -> list:
+            """Apply step k (top: the whole tree's sum), issue step k + 1
+            behind it, read every reply of step k; the next sum's ref."""
+            # The group's applies take a copy of the sum this leader owns
+            # (one more reduce call, of one piece): the driver's own ref
+            # is then fetched once per group, not once per slice.
+            relay, mine = self._sim(self.slices[0]).reduce.options(num_returns=2).remote(k, top)
+            applies = {i: self._sim(i).apply.remote(k, [mine]) for i in self.slices}
+            replies = [g[0] for g in self.grads] + self.reduces + [relay] + list(applies.values())
+            nxt = self._issue(k + 1, applies)
+            await asyncio.gather(*replies)
+            return nxt
+
+        def cpu(self) -> float:
+            return time.process_time()
+
+    return _Sim, _Gate, _Leader
+
+
+def _tree(sim, k: int, payloads: list, down_to_one: bool = False) -> tuple[list, list]:
+    """The reduction tree of fan-in FAN_IN over `payloads`, on sim(j):
+    the refs its top leaves (one, or up to FAN_IN when no level was needed
+    and not `down_to_one`) and its calls' replies."""
+    nodes, built, calls = list(payloads), 0, []
+    while len(nodes) > FAN_IN or ((built or down_to_one) and len(nodes) > 1):
+        built += 1
+        level = []
+        for j in range(0, len(nodes), FAN_IN):
+            status, part = sim(j).reduce.options(num_returns=2).remote(k, nodes[j:j + FAN_IN])
+            calls.append(status)
+            level.append(part)
+        nodes = level
+    return nodes, calls
 
 
 def _gather(refs: list) -> None:
@@ -119,7 +185,7 @@ def _gather(refs: list) -> None:
 def measure(pattern: str, n: int, steps: int = 14, step_s: float = 1.0, warmup: int = 3) -> dict:
     import ray
 
-    sim_cls, gate_cls = _actors()
+    sim_cls, gate_cls, leader_cls = _actors()
     sims = [sim_cls.remote() for _ in range(2)]
     gate = gate_cls.remote()
     ray.get([s.cpu.remote() for s in sims])
@@ -128,21 +194,19 @@ def measure(pattern: str, n: int, steps: int = 14, step_s: float = 1.0, warmup: 
         return sims[i % len(sims)]
 
     def tree(k: int, payloads: list) -> tuple[list, list]:
-        nodes, built, calls = list(payloads), 0, []
-        while len(nodes) > FAN_IN or (built and len(nodes) > 1):
-            built += 1
-            level = []
-            for j in range(0, len(nodes), FAN_IN):
-                status, part = sim(j).reduce.options(num_returns=2).remote(k, nodes[j:j + FAN_IN])
-                calls.append(status)
-                level.append(part)
-            nodes = level
-        return nodes, calls
+        return _tree(sim, k, payloads)
 
+    leaders = []
     stamps = []
 
     def stamp():
-        stamps.append((time.perf_counter(), time.process_time(), sum(ray.get([s.cpu.remote() for s in sims]))))
+        # The actors' CPU only where the window measured starts and ends:
+        # asked every step, it would cost the driver a call per actor (as
+        # many as its work's in `grouped`).
+        cpu = [0.0] * (len(sims) + len(leaders))
+        if len(stamps) in (warmup, steps - 1):
+            cpu = ray.get([a.cpu.remote() for a in sims + leaders])
+        stamps.append((time.perf_counter(), time.process_time(), sum(cpu[:len(sims)]), sum(cpu[len(sims):])))
 
     try:
         if pattern == "bare":
@@ -180,10 +244,17 @@ def measure(pattern: str, n: int, steps: int = 14, step_s: float = 1.0, warmup: 
                 gate.open.remote(k)
                 folds = ahead
             _gather([f[0] for f in folds])
+        elif pattern == "grouped":
+            leaders += [leader_cls.remote(sims, g, min(GROUP, n - g), step_s) for g in range(0, n, GROUP)]
+            sums = ray.get([a.start.remote(0) for a in leaders])
+            for k in range(steps):
+                top, reduces = tree(k, [r for part in sums for r in part])
+                sums = ray.get([a.step.remote(k, top) for a in leaders] + reduces)[:len(leaders)]
+                stamp()
         else:
             raise ValueError(f"pattern {pattern!r}: one of {PATTERNS}")
     finally:
-        for a in sims + [gate]:
+        for a in sims + [gate] + leaders:
             ray.kill(a)
     steady = stamps[warmup:]
     span = len(steady) - 1
@@ -194,6 +265,8 @@ def measure(pattern: str, n: int, steps: int = 14, step_s: float = 1.0, warmup: 
         "step_wall_median_s": statistics.median(wall),
         "driver_cpu_per_step_s": (steady[-1][1] - steady[0][1]) / span,
         "sim_cpu_per_step_s": (steady[-1][2] - steady[0][2]) / span,
+        "leaders_cpu_per_step_s": (steady[-1][3] - steady[0][3]) / span,
+        "leaders": len(leaders),
     }
 
 
@@ -209,13 +282,15 @@ def run(sizes: Sequence[int] = (256, 1024), patterns: Sequence[str] = PATTERNS, 
                 row["round"] = r
                 rows.append(row)
                 log(f"  round {r}, {n:5d} slices, {p:6s}: {row['step_wall_mean_s'] * 1e3:7.1f} ms/step, driver CPU "
-                    f"{row['driver_cpu_per_step_s'] * 1e3:6.0f} ms/step, simulated workers' CPU {row['sim_cpu_per_step_s'] * 1e3:6.0f} ms/step")
+                    f"{row['driver_cpu_per_step_s'] * 1e3:6.0f} ms/step, simulated workers' CPU {row['sim_cpu_per_step_s'] * 1e3:6.0f} ms/step"
+                    + (f", {row['leaders']} leaders' CPU {row['leaders_cpu_per_step_s'] * 1e3:6.0f} ms/step" if row["leaders"] else ""))
     cells = []
     for n in sizes:
         for p in patterns:
             mine = [x for x in rows if x["slices"] == n and x["pattern"] == p]
             cells.append({"slices": n, "pattern": p, **{k: statistics.median(x[k] for x in mine) for k in (
-                "step_wall_mean_s", "driver_cpu_per_step_s", "sim_cpu_per_step_s")}})
+                "step_wall_mean_s", "driver_cpu_per_step_s", "sim_cpu_per_step_s", "leaders_cpu_per_step_s")},
+                          "leaders": mine[0]["leaders"]})
     return {"sizes": list(sizes), "patterns": list(patterns), "rounds": rounds, "steps": steps, "step_s": step_s,
             "rows": rows, "cells": cells}
 
@@ -225,13 +300,14 @@ def table(result: dict) -> str:
     lines = [
         f"The calls alone, {step_s:g} s of compute per step, medians of {result['rounds']} rounds:",
         "",
-        "| slices | pattern | calls per slice and step | driver CPU per step (ms) | … of the step | "
-        "simulated workers' CPU per step (ms) | per step, wall, here (ms) |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| slices | pattern | driver's calls per slice and step | driver CPU per step (ms) | … of the step | "
+        "leaders' CPU per step, all of them (ms) | simulated workers' CPU per step (ms) | per step, wall, here (ms) |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
-    per_slice = {"today": "2 + tree", "folded": "1 + tree", "bare": "1"}
+    per_slice = {"today": "2 + tree", "folded": "1 + tree", "bare": "1", "grouped": f"1/{GROUP} + tree"}
     for c in result["cells"]:
+        leaders = f"{c['leaders_cpu_per_step_s'] * 1e3:.0f} ({c['leaders']})" if c["leaders"] else "–"
         lines.append(f"| {c['slices']} | {c['pattern']} | {per_slice[c['pattern']]} | {c['driver_cpu_per_step_s'] * 1e3:.0f} "
-                     f"| {100 * c['driver_cpu_per_step_s'] / step_s:.0f}% | {c['sim_cpu_per_step_s'] * 1e3:.0f} "
+                     f"| {100 * c['driver_cpu_per_step_s'] / step_s:.0f}% | {leaders} | {c['sim_cpu_per_step_s'] * 1e3:.0f} "
                      f"| {c['step_wall_mean_s'] * 1e3:.0f} |")
     return "\n".join(lines)

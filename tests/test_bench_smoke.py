@@ -116,7 +116,9 @@ def test_call_floor_tiny(cluster):
     """`python -m bench scale --floor`: every call pattern runs its steps
     at the compute's pace (no step beats it: the simulated slices compute
     one step at a time), and one bare call per slice costs the driver less
-    per step than today's two calls per slice and the reduction tree."""
+    per step than today's two calls per slice and the reduction tree; with
+    the calls made by group leaders, the driver's share is smaller still,
+    and the leaders' own CPU is measured."""
     from bench import call_floor
 
     result = call_floor.run(sizes=[64], rounds=1, steps=6, step_s=0.2, log=lambda *a: None)
@@ -126,6 +128,9 @@ def test_call_floor_tiny(cluster):
         assert c["step_wall_mean_s"] > 0.19, c
         assert c["driver_cpu_per_step_s"] > 0 and c["sim_cpu_per_step_s"] > 0, c
     assert cells["bare"]["driver_cpu_per_step_s"] < cells["today"]["driver_cpu_per_step_s"]
+    assert cells["grouped"]["driver_cpu_per_step_s"] < cells["today"]["driver_cpu_per_step_s"]
+    assert cells["grouped"]["leaders"] == 2 and cells["grouped"]["leaders_cpu_per_step_s"] > 0
+    assert cells["today"]["leaders"] == 0
     assert "| 64 | folded | 1 + tree |" in call_floor.table(result)
 
 
