@@ -161,7 +161,7 @@ def _tree(sim, k: int, payloads: list, down_to_one: bool = False) -> tuple[list,
         built += 1
         level = []
         for j in range(0, len(nodes), FAN_IN):
-            status, part = sim(j).reduce.options(num_returns=2).remote(k, nodes[j:j + FAN_IN])
+            status, part = sim(j // FAN_IN).reduce.options(num_returns=2).remote(k, nodes[j:j + FAN_IN])
             calls.append(status)
             level.append(part)
         nodes = level
@@ -203,10 +203,16 @@ def measure(pattern: str, n: int, steps: int = 14, step_s: float = 1.0, warmup: 
         # The actors' CPU only where the window measured starts and ends:
         # asked every step, it would cost the driver a call per actor (as
         # many as its work's in `grouped`).
-        cpu = [0.0] * (len(sims) + len(leaders))
-        if len(stamps) in (warmup, steps - 1):
-            cpu = ray.get([a.cpu.remote() for a in sims + leaders])
-        stamps.append((time.perf_counter(), time.process_time(), sum(cpu[:len(sims)]), sum(cpu[len(sims):])))
+        # Neither read is inside the driver's window: the first is taken
+        # before its clocks, the last after.
+        def read():
+            return ray.get([a.cpu.remote() for a in sims + leaders])
+
+        cpu = read() if len(stamps) == warmup else [0.0] * (len(sims) + len(leaders))
+        clocks = (time.perf_counter(), time.process_time())
+        if len(stamps) == steps - 1:
+            cpu = read()
+        stamps.append((*clocks, sum(cpu[:len(sims)]), sum(cpu[len(sims):])))
 
     try:
         if pattern == "bare":

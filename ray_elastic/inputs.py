@@ -15,6 +15,7 @@ without changing anything.
 
 from __future__ import annotations
 
+import queue
 import threading
 from typing import Callable
 
@@ -71,28 +72,37 @@ def _fetch(ray, refs: list, aborted: Callable[[], bool], what: str) -> tuple:
             got.update(zip(ready, ray.get(ready)))  # a failed input raises here
     if left:
         # Ray's wait cannot be interrupted: it runs on a thread of its own
-        # (left behind on an abort until Ray settles the inputs still
-        # coming), and this one looks for an abort in between. Inputs are
-        # taken as they arrive, so the first that failed ends the wait: the
-        # call is void, and waiting on for the others (a step's gradients
-        # still computing) would hold one of the worker's threads for
-        # nothing.
-        arrived, failed = threading.Event(), []
+        # (left behind on an abort until the input it waits for settles; it
+        # holds no value), and hands each input on as it arrives. This
+        # thread takes them, and looks for an abort in between. The first
+        # that failed ends the wait: the call is void, and waiting on for
+        # the others (a step's gradients still computing) would hold one of
+        # the worker's threads for nothing.
+        arrivals: queue.Queue = queue.Queue()
+        stop = threading.Event()
 
-        def take_as_they_come(left=left):
+        def hand_on(left=left):
             try:
-                while left:
+                while left and not stop.is_set():
                     ready, left = ray.wait(left, num_returns=1, timeout=None)
-                    got.update(zip(ready, ray.get(ready)))
+                    arrivals.put(ready)
             except BaseException as e:  # raised below, on the call's thread
-                failed.append(e)
-            finally:
-                arrived.set()
+                arrivals.put(e)
 
-        threading.Thread(target=take_as_they_come, daemon=True, name="inputs").start()
-        while not arrived.wait(POLL_S):
-            if aborted():
-                raise InputsAborted(f"{what} given up: a slice was lost")
-        if failed:
-            raise failed[0]
+        threading.Thread(target=hand_on, daemon=True, name="inputs").start()
+        try:
+            coming = len(left)
+            while coming:
+                if aborted():
+                    raise InputsAborted(f"{what} given up: a slice was lost")
+                try:
+                    ready = arrivals.get(timeout=POLL_S)
+                except queue.Empty:
+                    continue
+                if isinstance(ready, BaseException):
+                    raise ready
+                got.update(zip(ready, ray.get(ready)))  # a failed input raises here
+                coming -= len(ready)
+        finally:
+            stop.set()
     return tuple(got[r] if isinstance(r, ray.ObjectRef) else r for r in refs)

@@ -374,6 +374,8 @@ class StepRunner:
         applies, self._applies = self._applies, {}
         epoch, self._epoch = self._epoch, self._epoch + 1
         from_step = 0 if abort_waits else None if self._step is None else self._step + 1
+        if from_step is not None:
+            self.drop_ahead()  # what was issued ahead is told to give up: never run a step on it
         for s, workers in self._workers.items():
             if from_step is not None and (slices is None or s in slices):
                 for w in workers:
