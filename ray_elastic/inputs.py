@@ -43,6 +43,7 @@ class Aborts:
         self._marks[epoch] = min(from_step, self._marks.get(epoch, from_step))
 
     def covers(self, epoch: int, step: int) -> bool:
+        # A copy: `abort` runs on the worker's control thread meanwhile.
         return any(epoch <= e and step >= first for e, first in list(self._marks.items()))
 
 
