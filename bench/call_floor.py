@@ -153,8 +153,8 @@ def _actors():
 
 
 def _tree(sim, k: int, payloads: list, down_to_one: bool = False) -> tuple[list, list]:
-    """The reduction tree of fan-in FAN_IN over `payloads`, on sim(j):
-    the refs its top leaves (one, or up to FAN_IN when no level was needed
+    """The reduction tree of fan-in FAN_IN over `payloads`, a level's
+    j-th call on sim(j) (spread over the simulated actors): the refs its top leaves (one, or up to FAN_IN when no level was needed
     and not `down_to_one`) and its calls' replies."""
     nodes, built, calls = list(payloads), 0, []
     while len(nodes) > FAN_IN or ((built or down_to_one) and len(nodes) > 1):
