@@ -225,7 +225,7 @@ class ElasticTrainer:
         return RayBackend(
             c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
-            warm_workers=c.warm_workers)
+            warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
@@ -327,8 +327,8 @@ class ElasticTrainer:
         return max(c.step_deadline_floor_s, c.step_deadline_factor * statistics.median(recent))
 
     def _take_step(self) -> None:
-        k, m, t_start = self.step, self.members, self._clock()
-        assignment = assign_shards(m.live, self.config.shards, self.config.batch_on_resize)
+        k, m, t_start, c = self.step, self.members, self._clock(), self.config
+        assignment = assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None))
         takers = self._snapshot_takers(k + 1)
 
         def fire_faults() -> None:

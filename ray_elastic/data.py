@@ -10,16 +10,21 @@ optimisation steps as a failure-free run.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional, Sequence
 
-__all__ = ["assign_shards", "host_rows"]
+__all__ = ["assign_shards", "host_rows", "leader_groups", "leader_ranges"]
 
 
-def assign_shards(live: Iterable[int], num_shards: int, mode: str) -> dict[int, tuple[int, ...]]:
+def assign_shards(live: Iterable[int], num_shards: int, mode: str,
+                  ranges: Optional[Sequence[tuple[int, int]]] = None) -> dict[int, tuple[int, ...]]:
     """Map each live slice to the shards it computes this step.
 
     accumulate: every shard is computed; shard s goes to the
         (s mod n)-th live slice, so survivors share a lost slice's work.
+        With group leaders (`ranges`, from leader_ranges), the live slices
+        are cut into one group per range (group_slices) and each range's
+        shards go round robin over its own group: a group's gradients never
+        leave its leader's part of the reduction tree.
     shrink: each live slice computes only its own shard; the global batch
         shrinks with the number of live slices.
     """
@@ -31,9 +36,54 @@ def assign_shards(live: Iterable[int], num_shards: int, mode: str) -> dict[int, 
     if mode != "accumulate":
         raise ValueError(f"unknown batch mode {mode!r}")
     out: dict[int, list[int]] = {s: [] for s in slices}
-    for shard in range(num_shards):
-        out[slices[shard % len(slices)]].append(shard)
+    if ranges:
+        for group, held in leader_groups(slices, ranges):
+            shards = [shard for lo, hi in held for shard in range(lo, hi)]
+            for i, shard in enumerate(shards):
+                out[group[i % len(group)]].append(shard)
+    else:
+        for shard in range(num_shards):
+            out[slices[shard % len(slices)]].append(shard)
     return {s: tuple(v) for s, v in out.items()}
+
+
+def _runs(items: list, groups: int) -> list[list]:
+    """`items` cut into `groups` consecutive runs, as even as possible (the
+    first ones one longer)."""
+    base, extra = divmod(len(items), groups)
+    out, i = [], 0
+    for g in range(groups):
+        n = base + (g < extra)
+        out.append(items[i:i + n])
+        i += n
+    return out
+
+
+def leader_groups(live: Iterable[int], ranges: Sequence[tuple[int, int]]) -> list[tuple[list[int], list]]:
+    """(slices, shard ranges) of each group leader at work: one range per
+    leader, the live slices cut into as many runs of consecutive ids;
+    with fewer live slices than ranges, one slice per leader and the
+    ranges cut into as many runs."""
+    slices = sorted(live)
+    groups = min(len(slices), len(ranges))
+    return list(zip(_runs(slices, groups), _runs(list(ranges), groups)))
+
+
+def leader_ranges(num_shards: int, num_slices: int, slices_per_leader: int, fan_in: int) -> tuple[list, int]:
+    """The shard ranges of the group leaders and how many levels of the
+    reduction tree each leader builds over its range.
+
+    About one leader per `slices_per_leader` slices; each range is a
+    multiple of `fan_in` shards and starts at a multiple of its length, so
+    a leader's levels are whole subtrees of the tree the driver alone would
+    build (the same additions in the same order: bitwise the same sums).
+    The depth is the most levels whose nodes the range holds whole."""
+    leaders = -(-num_slices // slices_per_leader)
+    size = fan_in * -(-num_shards // (leaders * fan_in))
+    depth, span = 0, 1
+    while size % (span * fan_in) == 0:
+        depth, span = depth + 1, span * fan_in
+    return [(lo, min(lo + size, num_shards)) for lo in range(0, num_shards, size)], depth
 
 
 def host_rows(batch_rows: int, host: int, hosts: int) -> slice:

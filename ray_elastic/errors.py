@@ -30,6 +30,7 @@ __all__ = [
     "TimelineInputError",
     "InputsAborted",
     "InputsLost",
+    "StepAborted",
 ]
 
 
@@ -180,3 +181,15 @@ class InputsLost(ElasticError, RuntimeError):
     """Fetching a worker's inputs failed outside Ray's own errors (a
     connection reset while the node holding them, or the worker's own,
     goes away)."""
+
+
+class StepAborted(ElasticError):
+    """A group leader's part of a step was called off by the driver (another
+    group failed first); what it had issued is kept for a later try."""
+
+    def __init__(self, step: int):
+        self.step = step
+        super().__init__(f"step {step} called off by the driver")
+
+    def __reduce__(self):
+        return (type(self), (self.step,))

@@ -17,7 +17,9 @@ from ray import exceptions as rex
 from ray_elastic.backend import SliceUp
 from ray_elastic.checkpoint.host_writes import HostRestore
 from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
+from ray_elastic.data import leader_ranges
 from ray_elastic.failure_location import FailureLocator, RayProbe, ping_ref, short
+from ray_elastic.grouped_runner import GroupedRunner
 from ray_elastic.slice_group import LiveSlice, Provisioning, RaySlices
 from ray_elastic.step_runner import StepResult, StepRunner
 
@@ -31,7 +33,7 @@ class RayBackend:
         self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
         compile_cache_dir: str = "", provisioner: Optional[type] = None,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-        warm_workers: int = 0,
+        warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0,
     ):
         cls = provisioner or RaySlices
         # A provisioner of the user's own (`slices_backend`) may not know it.
@@ -41,6 +43,12 @@ class RayBackend:
         )
         self.locator = FailureLocator(RayProbe(), clock, sleep)
         self.runner = StepRunner(self.locator, clock)
+        # With group leaders: the shard ranges the slices' groups compute
+        # (assign_shards), and the runner that calls the leaders.
+        self.ranges: Optional[list] = None
+        if slices_per_leader:
+            self.ranges, depth = leader_ranges(num_shards, num_slices, slices_per_leader, self.runner.fan_in)
+            self.runner = GroupedRunner(self.locator, clock, self.ranges, depth)
         self._coming: dict[int, Provisioning] = {}
         self._up: dict[int, LiveSlice] = {}  # set up: ready to join, or live
 
@@ -191,6 +199,8 @@ class RayBackend:
     def shutdown(self) -> None:
         for s in list(self._up) + list(self._coming):
             self.retire(s)
+        if isinstance(self.runner, GroupedRunner):
+            self.runner.close()
         self._slices.shutdown()
 
 

@@ -45,7 +45,7 @@ from typing import Any, Callable, Mapping, Optional
 import ray
 from ray import exceptions as rex
 
-from ray_elastic.errors import FailureKind, SliceFailure
+from ray_elastic.errors import FailureKind, SliceFailure, StepAborted
 from ray_elastic.failure_location import TRANSIENT, FailureLocator, failure, short
 
 __all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner", "senders"]
@@ -139,6 +139,9 @@ class StepRunner:
         # (settle_applies), and later calls get the next epoch.
         self._epoch = 0
         self._step: Optional[int] = None  # the step last run: those after it were issued ahead
+        # Asked between waits: True ends a gather with StepAborted (a group
+        # leader's call that its driver called off, group_leader.py).
+        self.aborted: Callable[[], bool] = lambda: False
 
     def drop_ahead(self) -> None:
         """Forget the calls issued ahead (their results are never read).
@@ -401,6 +404,8 @@ class StepRunner:
                 raise self.locator.hung(candidates, live, k, wait.seconds)
             refs = list(pending)
             done, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, NODE_PROBE_S))
+            if self.aborted():
+                raise StepAborted(k)
             if not done:
                 lost = self.locator.lost_host(live)
                 if lost is not None:
