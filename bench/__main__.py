@@ -51,6 +51,8 @@ def main(argv=None) -> int:
                         help="ready: comma-separated subset of variants (default all)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
+    parser.add_argument("--slices-per-leader", type=int, default=32,
+                        help="scale --step-s: slices per group leader in the third run of each size (0: no such run)")
     parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size; soak: steps per run (skips the warm-up); "
                              "sharded: steps per run (quick 6, full 20)")
     parser.add_argument("--fail-at", type=int, default=None, help="compare: step of the fault")
@@ -210,7 +212,8 @@ def main(argv=None) -> int:
                                         step_s=args.step_s or 1.0, patterns=args.patterns or call_floor.PATTERNS)
             else:
                 name = "scale_pipelined"
-                result = scale.pipelined(sizes=sizes, step_s=args.step_s, steps=args.steps or 20)
+                result = scale.pipelined(sizes=sizes, step_s=args.step_s, steps=args.steps or 20,
+                                         slices_per_leader=args.slices_per_leader)
         finally:
             cluster.shutdown()
         text = (call_floor.table if args.floor else scale.pipelined_table)(result)

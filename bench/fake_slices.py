@@ -282,6 +282,13 @@ class FakeSlices:
         return type("FakeSlices", (cls,), {"fail": tuple(fail), "state_floats": state_floats, "step_s": step_s,
                                            "clocks": clocks, "instances": []})
 
+    def __getstate__(self) -> dict:
+        # Sent to group leaders with the fake workers (grouped_runner): each
+        # leader's copy models the refs its own calls hand out.
+        state = dict(self.__dict__)
+        state["ready"] = {}
+        return state
+
     def refs_at(self, at: float, results: list) -> list:
         """Refs of `results` that become ready at wall time `at`: one call
         on the clock actor (a real actor call, as a real worker's would be:

@@ -59,11 +59,14 @@ def _no_program():  # the fakes never build the program
 
 
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
-            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None, clocks: int = 2) -> dict:
+            seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None, clocks: int = 2,
+            slices_per_leader: int = 0) -> dict:
     """One run of the real controller on `num_slices` fake slices. Times
     are wall clock and the driver process's CPU time (all its threads,
     Ray's included): CPU time is what the controller costs, and it is far
     less disturbed than wall time by other load on a shared machine."""
+    import ray
+
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.callbacks import Callback
     from bench.fake_slices import FakeSlices
@@ -85,18 +88,26 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
                 inst.fake_s if inst else 0.0, inst.fake_cpu_s if inst else 0.0)
 
     clock_cpu: dict = {}  # step -> the clock actors' CPU seconds, at the warm-up's end and the last step
+    leader_cpu: dict = {}  # the same for the group leaders
 
     class Probe(Callback):
+        def on_start(self, trainer):
+            self.trainer = trainer
+
         def on_step(self, step, metrics):
             stamps.append((step,) + now())
             if step in (warmup, steps) and backend.instances:
                 clock_cpu[step] = backend.instances[-1].clock_cpu_s()
+                leaders = getattr(self.trainer.members.backend.runner, "_leaders", [])
+                if leaders:
+                    leader_cpu[step] = sum(ray.get([x.cpu_s.remote() for x in leaders]))
 
         def on_event(self, event):
             events.append((event["event"],) + now())
 
     config = ElasticConfig(num_slices=num_slices, policy=policy, max_retries=failures + 1,
-                           first_step_deadline_s=600.0, step_deadline_floor_s=60.0)
+                           first_step_deadline_s=600.0, step_deadline_floor_s=60.0,
+                           slices_per_leader=slices_per_leader)
     t0 = time.perf_counter()
     trainer = ElasticTrainer(_no_program, config, steps, callbacks=[Probe()], slices_backend=backend)
     saved = os.environ.get("RAY_ELASTIC_PIPELINE")
@@ -161,6 +172,10 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
         out["step_cpu_mean_s"] = (stamps[-1][2] - first[2]) / max(1, stamps[-1][0] - first[0])
         if len(clock_cpu) == 2:
             out["clock_cpu_per_step_s"] = (clock_cpu[steps] - clock_cpu[warmup]) / max(1, steps - warmup)
+        if len(leader_cpu) == 2:
+            out["leader_cpu_per_step_s"] = (leader_cpu[steps] - leader_cpu[warmup]) / max(1, steps - warmup)
+    out["slices_per_leader"] = slices_per_leader
+    out["leaders"] = len(getattr(trainer.members.backend.runner, "ranges", ()) or ())
     # Kept for the names used before: wall clock, all in.
     out["step_s"], out["step_controller_s"] = out["step_wall_s"], out["step_wall_ctl_s"]
     out["failure_s"], out["failure_controller_s"] = out["failure_wall_s"], out["failure_wall_ctl_s"]
@@ -168,28 +183,40 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
 
 
 def pipelined(sizes: Sequence[int] = (256, 1024), step_s: float = 1.0, steps: int = 20,
-              log=print, clocks: int = 2) -> dict:
-    """Each size with pipelined dispatch off, then on, with a set compute
+              log=print, clocks: int = 2, slices_per_leader: int = 32) -> dict:
+    """Each size with pipelined dispatch off, on, and on through group
+    leaders (`slices_per_leader`; 0 leaves that out), with a set compute
     time per step and no failures: the driver's overhead per step is the
     mean step time after warm-up (last stamp less first, over the steps
-    between) less step_s; the median step is reported beside it."""
+    between) less step_s; the median step is reported beside it, and the
+    driver's CPU per step, which is what it costs wherever it runs (on
+    this machine the wall time also pays for every simulated worker and
+    leader sharing its 2 cores)."""
     rows, calibration = [], []
+    variants = [(False, 0), (True, 0)] + ([(True, slices_per_leader)] if slices_per_leader else [])
     for n in sizes:
         cal = calibrate(n)
         calibration.append(cal)
         log(f"  {n:5d} slices, one pipelined step's calls: driver CPU {cal['real_cpu_s'] * 1e3:.0f} ms on real actors, "
             f"{cal['fake_cpu_s'] * 1e3:.0f} ms on the fakes ({cal['fake_over_real']:.2f}x)")
-        for on in (False, True):
-            r = measure(n, steps=steps, failures=0, step_s=step_s, pipeline=on, clocks=clocks)
+        for on, per_leader in variants:
+            if per_leader >= n:
+                continue
+            r = measure(n, steps=steps, failures=0, step_s=step_s, pipeline=on, clocks=clocks,
+                        slices_per_leader=per_leader)
             r["overhead_s"] = r["step_wall_mean_s"] - step_s
             r["overhead_share"] = r["overhead_s"] / r["step_wall_mean_s"]
+            r["cpu_share"] = r["step_cpu_mean_s"] / step_s
             rows.append(r)
-            log(f"  {n:5d} fake slices, {step_s:g} s step, pipelined {'on ' if on else 'off'}: "
+            how = f"through {r['leaders']} leaders" if per_leader else f"pipelined {'on ' if on else 'off'}"
+            log(f"  {n:5d} fake slices, {step_s:g} s step, {how}: "
                 f"{r['step_wall_mean_s'] * 1e3:8.1f} ms/step (median {r['step_wall_s'] * 1e3:.1f}), driver overhead {r['overhead_s'] * 1e3:7.1f} ms "
-                f"({100 * r['overhead_share']:.1f}% of the step; driver CPU {r['step_cpu_s'] * 1e3:.0f} ms/step, "
-                f"controller only {r['step_cpu_ctl_s'] * 1e3:.0f} ms; clock actors {r.get('clock_cpu_per_step_s', 0) * 1e3:.0f} ms)")
+                f"({100 * r['overhead_share']:.1f}% of the step; driver CPU {r['step_cpu_mean_s'] * 1e3:.0f} ms/step "
+                f"= {100 * r['cpu_share']:.1f}% of step_s, controller only {r['step_cpu_ctl_s'] * 1e3:.0f} ms; "
+                f"clock actors {r.get('clock_cpu_per_step_s', 0) * 1e3:.0f} ms"
+                + (f"; leaders {r.get('leader_cpu_per_step_s', 0) * 1e3:.0f} ms, all of them" if per_leader else "") + ")")
     return {"sizes": list(sizes), "step_s": step_s, "steps": steps, "clocks": clocks, "rows": rows,
-            "calibration": calibration}
+            "calibration": calibration, "slices_per_leader": slices_per_leader}
 
 
 # Targets of issue #13 for the driver's overhead, as a share of a 1 s step.
@@ -198,18 +225,22 @@ OVERHEAD_TARGETS = {256: 0.05, 1024: 0.10}
 
 def pipelined_table(result: dict) -> str:
     lines = [
-        f"| slices | pipelined | per step, wall (ms): mean | … median [min–max] | driver overhead (ms) | share of the step "
-        f"| target | driver CPU per step (ms) | … controller only (ms) | clock actors' CPU per step (ms) | steps measured |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| slices | pipelined | leaders | per step, wall (ms): mean | … median [min–max] | driver overhead, wall (ms) "
+        f"| … share of the step | driver CPU per step (ms) | … share of step_s | target | … controller only (ms) "
+        f"| clock actors' CPU per step (ms) | leaders' CPU per step, all (ms) | steps measured |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
         a = r["step_wall_all_s"]
         target = OVERHEAD_TARGETS.get(r["slices"])
+        cpu = r.get("step_cpu_mean_s", r["step_cpu_s"])
         lines.append(
-            f"| {r['slices']} | {'yes' if r['pipelined'] else 'no'} | {_ms(r['step_wall_mean_s'])} | {_ms(a['median'])} "
-            f"[{_ms(a['min'])}–{_ms(a['max'])}] | {_ms(r['overhead_s'])} | {100 * r['overhead_share']:.1f}% "
-            f"| {'≤ %d%%' % (100 * target) if target else ''} | {_ms(r['step_cpu_s'])} | {_ms(r['step_cpu_ctl_s'])} "
-            f"| {_ms(r.get('clock_cpu_per_step_s'))} | {r['steps_measured']} |")
+            f"| {r['slices']} | {'yes' if r['pipelined'] else 'no'} | {r.get('leaders') or '–'} "
+            f"| {_ms(r['step_wall_mean_s'])} | {_ms(a['median'])} [{_ms(a['min'])}–{_ms(a['max'])}] "
+            f"| {_ms(r['overhead_s'])} | {100 * r['overhead_share']:.1f}% | {_ms(cpu)} | {100 * cpu / result['step_s']:.1f}% "
+            f"| {'≤ %d%%' % (100 * target) if target else ''} | {_ms(r['step_cpu_ctl_s'])} "
+            f"| {_ms(r.get('clock_cpu_per_step_s'))} | {_ms(r.get('leader_cpu_per_step_s')) if r.get('leaders') else '–'} "
+            f"| {r['steps_measured']} |")
     if result.get("calibration"):
         lines += ["", "| slices | one pipelined step's calls, driver CPU (ms): real actors | … the fakes | fakes / real |",
                   "|---:|---:|---:|---:|"]

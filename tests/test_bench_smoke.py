@@ -99,17 +99,20 @@ def test_scale_pipelined_tiny(cluster):
     r = scale.measure(8, steps=12, failures=2, step_s=0.2, pipeline=True)
     assert r["pipelined"] and r["steps_issued_ahead"] > 0
     assert r["failures"] == 2 and r["steps_rewound"]["max"] == 0
-    result = scale.pipelined(sizes=[8], step_s=0.2, steps=8, log=lambda *a: None)
-    off, on = result["rows"]
+    result = scale.pipelined(sizes=[16], step_s=0.2, steps=8, log=lambda *a: None, slices_per_leader=8)
+    off, on, grouped = result["rows"]
     assert not off["pipelined"] and off["steps_issued_ahead"] == 0
     assert on["pipelined"] and on["steps_issued_ahead"] >= 6
     assert on["step_wall_s"] > 0.15  # the clock is honoured: no step beats its compute by much
     assert on["clock_cpu_per_step_s"] > 0  # the simulated workers' side, read from the clock actors
+    # Through group leaders: 2 of them, every step issued ahead, their CPU read apart.
+    assert grouped["leaders"] == 2 and grouped["steps_issued_ahead"] >= 6
+    assert grouped["step_wall_s"] > 0.15 and grouped["leader_cpu_per_step_s"] > 0
     # The fakes measured against real actors making the same calls.
     (cal,) = result["calibration"]
-    assert cal["slices"] == 8 and cal["real_cpu_s"] > 0 and cal["fake_cpu_s"] > 0
+    assert cal["slices"] == 16 and cal["real_cpu_s"] > 0 and cal["fake_cpu_s"] > 0
     table = scale.pipelined_table(result)
-    assert "| 8 | yes |" in table and "real actors" in table
+    assert "| 16 | yes | – |" in table and "| 16 | yes | 2 |" in table and "real actors" in table
 
 
 def test_call_floor_tiny(cluster):
