@@ -167,7 +167,9 @@ class GroupLeader:
         self._begin(call, epoch, k)
         wait = _Deadline(time.monotonic() + deadline_s, deadline_s)
         r = self.runner
-        r._ahead = None
+        # Every group's gradient phase is in: let its payloads go (held,
+        # they would double the gradients' memory in the object store).
+        r._ahead, self._kept = None, None
         first = min(self.live)
         try:
             copy_calls, boxes = r._tree_level(k, {first: self.live[first]}, [(key, [ref]) for key, ref in top], 0)

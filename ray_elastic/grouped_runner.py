@@ -32,7 +32,7 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.data import leader_groups
-from ray_elastic.errors import RunFailed, SliceFailure
+from ray_elastic.errors import ConfigError, RunFailed, SliceFailure
 from ray_elastic.failure_location import FailureLocator
 from ray_elastic.group_leader import GroupLeader
 from ray_elastic.step_runner import PartialStep, StepResult, StepRunner, _Deadline
@@ -161,6 +161,11 @@ class GroupedRunner:
     def run(self, k: int, live: Mapping, assignment: Mapping, takers: frozenset, deadline_s: float,
             on_issued: Callable[[], None] = lambda: None, ahead: Optional[Mapping] = None) -> StepResult:
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
+        if any(getattr(sl, "per_host", False) for sl in live.values()):
+            # Each host of a sharded slice sends its own blocks; a leader's
+            # subtrees sum host 0's only.
+            raise ConfigError("slices_per_leader", "group leaders take replicated layouts only; this program "
+                              "shards its state over each slice's hosts: set slices_per_leader=0")
         groups = leader_groups(live, self.ranges)
         self._sync(groups, live)
         fresh, self._fresh = self._fresh, False

@@ -32,9 +32,11 @@ def fan_in_2(monkeypatch):
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
 
 
-def _run(factory, leaders: int, faults=(), on_event=None):
-    cfg = ElasticConfig(num_slices=4, policy="resize", timeout_s=120.0, slices_per_leader=leaders)
-    trainer = ElasticTrainer(factory, cfg, STEPS, faults=faults, on_event=on_event, keep_final_state=True)
+def _run(factory, leaders: int, faults=(), on_event=None, cluster=None, **kw):
+    kw.setdefault("policy", "resize")
+    cfg = ElasticConfig(num_slices=4, timeout_s=120.0, slices_per_leader=leaders, **kw)
+    trainer = ElasticTrainer(factory, cfg, STEPS, faults=faults, on_event=on_event, keep_final_state=True,
+                             remove_node=cluster.remove_node if cluster else None)
     return trainer, trainer.fit()
 
 
@@ -76,8 +78,13 @@ def test_a_slice_killed_in_the_gradient_phase_redoes_no_step(reference, nodes, l
     assert report.steps_completed == STEPS and len(report.failures) == 1
     f = report.failures[0]
     assert f.kind == "process_died" and f.slice == 1 and f.step == FAIL_AT
-    assert f.steps_rewound == 0
-    assert any(e["event"] == "step_completed_on_survivors" and e["shards_recomputed"] == 1 for e in events)
+    # Its group's survivor computed the lost shard; or, where the kill
+    # landed after the slice had handed its gradients over (pipelined, on a
+    # loaded machine), nothing at all: either way no step is redone.
+    assert f.steps_rewound == 0, report.events
+    assert f.compute_redone in (0.25, 0.0)
+    if f.compute_redone:
+        assert any(e["event"] == "step_completed_on_survivors" and e["shards_recomputed"] == 1 for e in events)
     assert 3 in report.slices_per_step
     _assert_bitwise_equal(trainer.final_state, reference)
 
@@ -105,4 +112,30 @@ def test_a_killed_leader_is_replaced_and_nothing_is_lost(reference, nodes, lm_fa
     assert killed
     assert report.steps_completed == STEPS and not report.failures
     assert trainer.members.backend.runner.leaders_replaced == 1
+    _assert_bitwise_equal(trainer.final_state, reference)
+
+
+def test_a_node_removed_with_leaders(reference, nodes, lm_factory, fan_in_2):
+    """Slice 2's node (leader 1's group) is removed with its processes:
+    leader 1 finds the node gone, the other leader's call is called off,
+    the survivors settle and the run ends bitwise as the reference."""
+    cluster = nodes(4)
+    trainer, report = _run(lm_factory, 2, faults=(Fault("remove_node", 2, FAIL_AT),), cluster=cluster)
+    assert report.steps_completed == STEPS and len(report.failures) == 1
+    f = report.failures[0]
+    assert f.kind == "node_died" and f.slice == 2 and f.steps_rewound <= 1
+    _assert_bitwise_equal(trainer.final_state, reference)
+
+
+def test_a_frozen_worker_with_leaders_under_pause(reference, nodes, lm_factory, fan_in_2):
+    """Slice 3 is frozen (SIGSTOP): its leader finds it hung at the step
+    deadline; under pause a replacement takes its place, the leaders'
+    groups are made again, and the run ends bitwise as the reference."""
+    nodes(4)
+    trainer, report = _run(lm_factory, 2, faults=(Fault("stop", 3, FAIL_AT),), policy="pause",
+                           step_deadline_floor_s=2.0)
+    assert report.steps_completed == STEPS and len(report.failures) == 1
+    f = report.failures[0]
+    assert f.kind == "hung" and f.slice == 3
+    assert report.slices_per_step[-1] == 4
     _assert_bitwise_equal(trainer.final_state, reference)
