@@ -61,12 +61,23 @@ def _runs(items: list, groups: int) -> list[list]:
 
 def leader_groups(live: Iterable[int], ranges: Sequence[tuple[int, int]]) -> list[tuple[list[int], list]]:
     """(slices, shard ranges) of each group leader at work: one range per
-    leader, the live slices cut into as many runs of consecutive ids;
-    with fewer live slices than ranges, one slice per leader and the
-    ranges cut into as many runs."""
+    leader, the live slices cut into as many runs of consecutive ids, each
+    as long as its range's share of the shards (a short last range gets
+    fewer slices: every slice then computes about as many shards); with
+    fewer live slices than ranges, one slice per leader and the ranges cut
+    into as many runs."""
     slices = sorted(live)
-    groups = min(len(slices), len(ranges))
-    return list(zip(_runs(slices, groups), _runs(list(ranges), groups)))
+    if len(slices) < len(ranges):
+        return list(zip(_runs(slices, len(slices)) if slices else [], _runs(list(ranges), len(slices))))
+    total = sum(hi - lo for lo, hi in ranges)
+    out, start, done = [], 0, 0
+    for i, (lo, hi) in enumerate(ranges):
+        done += hi - lo
+        # At least one slice each, and enough left for the ranges after.
+        end = max(start + 1, min(round(len(slices) * done / total), len(slices) - (len(ranges) - 1 - i)))
+        out.append((slices[start:end], [(lo, hi)]))
+        start = end
+    return out
 
 
 def leader_ranges(num_shards: int, num_slices: int, slices_per_leader: int, fan_in: int) -> tuple[list, int]:

@@ -4,33 +4,42 @@ At hundreds of slices the driver's own calls are the step's bottleneck:
 each call costs the calling process about half a millisecond of CPU in
 Ray, and a step makes two per slice plus the reduction tree (at 1024
 slices, 1.4 s of the driver's CPU per step; `python -m bench scale
---floor`). With `slices_per_leader`, the driver makes two calls per
-leader per step instead, and each leader runs a `StepRunner` over its
-own group (grouped_runner.py has the driver's side):
+--floor`). With `slices_per_leader`, one leader per shard range makes its
+group's calls with a `StepRunner` of its own, and the driver makes about
+one call per leader per step (grouped_runner.py has the driver's side):
 
-- `collect(k)`: the group's gradient calls for step k (unless they were
-  issued ahead by the last `step` call) and its part of the reduction
-  tree (whole subtrees over its shard ranges, `data.leader_ranges`),
-  gathered; answers with the refs of its subtrees' tops.
-- `step(k, top)`: once the driver has summed every group's tops, the
-  group's applies (each takes one leader-owned copy of the driver's sum,
-  so the driver's object is fetched once per leader, not once per
-  slice), then step k+1's gradient calls and subtrees behind them, issued
-  ahead; answers with the applies' metrics and snapshots.
-- `finish(k)`: after a slice of this group failed in the gradient phase,
-  its survivors compute its shards; the other gradients are kept.
+- `step(k, top)`: the group's applies of step k, each taking a
+  leader-owned copy of `top` (the driver's sum of every group's subtrees:
+  its object is fetched once per leader, not once per slice), then step
+  k+1's gradient calls behind them and the group's subtrees over them
+  (whole subtrees of the reduction tree, `data.leader_ranges`), all issued
+  at once as in the driver's pipelined dispatch, so nothing waits on the
+  leader or the driver between a step's gradients and its applies. Then
+  it gathers step k's gradients and subtrees (the "grads" phase), then
+  the copy and the applies (the "apply" phase), and answers with the
+  applies' metrics and the refs of step k+1's subtree tops, for the
+  driver to sum while the slices compute.
+- `begin(k)`: the gradient calls and subtrees of a step nothing issued
+  ahead (the first, or after a change of slices), answered at once.
+- `finish(k)`: after a slice failed in a step's gradient phase, the
+  group's survivors compute its shards (the lost slice's group), or the
+  subtrees are made again over the gradients kept (the other groups: a
+  lost node's `abort_waits` may have ended them).
 
 The leader sorts its group's failures as the driver would (its own
-FailureLocator) and answers with them; nothing it waits on depends on
-another group, so the first failure a leader reports is a real one. A
-call the driver calls off (`abort`) ends at its next wait and keeps what
-it issued. The leader lives beside the driver and holds no training
-state: if its process dies, the driver starts another that takes over the
-group (calls are pure or idempotent).
+FailureLocator) and answers with them and their phase. Its own gradient
+phase depends on nothing outside its group, so a "grads" failure is a
+real one; an "apply" failure may only echo a failure elsewhere (the
+driver's sum never came), and the driver ranks them so. A call the driver
+calls off (`abort`) ends at its next wait and keeps what it issued. The
+leader holds no training state and owns no snapshot (the driver makes the
+snapshotting slices' applies itself): if its process dies, the driver
+starts another that takes over the group.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Mapping, Optional
 
@@ -81,13 +90,21 @@ class GroupLeader:
         self.runner = StepRunner(FailureLocator(RayProbe(), time.monotonic, time.sleep), time.monotonic,
                                  fan_in=fan_in, pipeline=True)
         self.live: dict = {}  # slice -> LiveSlice, this group's
-        self._call = 0  # id of the call under way
-        self._called_off: set = set()
-        self.runner.aborted = lambda: self._call in self._called_off
-        self._partial: Optional[PartialStep] = None  # the last gradient phase that lost a slice
-        self._kept: Optional[_Issued] = None  # the gradient phase collect last took on
         self._ranges: list = []
         self._depth = 1
+        # One call at a time touches the runner (a settle the driver gave up
+        # on may still run when the next call comes); `abort` never waits.
+        self._lock = threading.Lock()
+        self._abort_lock = threading.Lock()
+        self._call = 0  # id of the call under way
+        self._called_off: set = set()
+        self.runner.aborted = self._is_called_off
+        self._epoch_seen = 0
+        self._kept: Optional[_Issued] = None  # the gradient phase of the step to apply next
+        self._from_finish = False  # _kept was made by finish: a second loss in it has no partial
+        self._partial: Optional[PartialStep] = None  # the last gradient phase that lost a slice
+        self._done: Optional[tuple] = None  # (step, reply) of the last step applied
+        self._holder = dict  # finish's shard -> payload, read anew
 
     def ping(self) -> int:
         import os
@@ -98,147 +115,197 @@ class GroupLeader:
         """This process's CPU time so far (what a leader costs its host)."""
         return time.process_time()
 
-    def set_live(self, live: dict, ranges: list, depth: int) -> None:
-        self.live, self._ranges, self._depth = dict(live), list(ranges), depth
-
     def abort(self, call: int) -> None:
-        self._called_off.add(call)
+        with self._abort_lock:
+            self._called_off.add(call)
+
+    def _is_called_off(self) -> bool:
+        with self._abort_lock:
+            return self._call in self._called_off
 
     def _begin(self, call: int, epoch: int, k: int) -> None:
-        self._call = call
-        self._called_off = {c for c in self._called_off if c >= call}
+        with self._abort_lock:
+            self._call = call
+            self._called_off = {c for c in self._called_off if c >= call}
+        self._epoch_seen = max(self._epoch_seen, epoch)
         self.runner._epoch = epoch  # the driver's: one count for every leader, new ones too
         self.runner._step = k
+        if self._partial is not None and self._partial.step != k:
+            self._partial = None  # its step is over: let its gradients go
 
-    def collect(self, call: int, epoch: int, k: int, assignment: dict, deadline_s: float, fresh: bool = False):
-        """Step k's gradients and subtrees, gathered. Answers ("ok", tops,
-        issued_ahead), ("aborted",) or ("failed", failure, attrs)."""
-        self._begin(call, epoch, k)
-        wait = _Deadline(time.monotonic() + deadline_s, deadline_s)
-        r = self.runner
-        ahead = r._ahead
-        pre = next((c for c in (self._kept, ahead) if c is not None and not fresh
-                    and c.serves(k, self.live, assignment)), None)
-        if pre is None:
-            for stale in (self._kept, ahead):
-                if stale is not None:
-                    r._dropped += [(s, ref) for s, _, ref, _ in stale.grads]
-            r._ahead = None
-            r._settle(wait, self.live)
-            pre = issue_subtrees(r, k, self.live, assignment, self._ranges, self._depth)
-        # Kept apart from what is issued ahead, which settle_applies drops
-        # after a failure: when another group failed in this gradient phase
-        # (the driver then calls this one off), finish collects it again.
-        self._kept, r._ahead = pre, None
-        try:
-            return ("ok", self._gather_tree(pre, k, assignment, wait), pre is ahead)
-        except StepAborted:
-            return ("aborted",)
-        except SliceFailure as f:
-            self._kept, r._ahead = None, pre
-            r.drop_ahead()  # the survivors' calls run on: finish waits for them
-            self._partial = getattr(f, "partial", None)
-            return _failed(f)
+    def set_live(self, live: dict, ranges: list, depth: int) -> None:
+        with self._lock:
+            self.live, self._ranges, self._depth = dict(live), list(ranges), depth
 
-    def _gather_tree(self, pre: _Issued, k: int, assignment: dict, wait: _Deadline) -> list:
-        r = self.runner
-        reissued = r._reissued
-        r._gather_grads(pre.grads, pre.payloads, k, self.live, assignment, wait)
-        for level in pre.levels:
-            if r._reissued != reissued:
-                break
-            r._gather(level, k, wait, self.live)
-        tops = pre.tops[0]
-        if r._reissued != reissued:
-            # A re-issued call's dependents hold its void ref: build the
-            # subtrees again from the payloads, which are all in.
-            holder = {shard: pre.payloads[s][0] for s, shards in assignment.items() for shard in shards}
-            levels, tops = _subtrees(r, k, self.live, holder, [], self._ranges, self._depth)
-            for level in levels:
-                r._gather(level, k, wait, self.live)
-        return [(key, box[0]) for key, box in tops]
+    def quiesce(self, deadline_s: float, forget: bool = False) -> None:
+        """Drop what was issued and wait (up to deadline_s) for its gradient
+        calls to end: before the group's slices change, so that no worker
+        runs two gradient phases, this leader's and its next one's.
+        `forget`: this leader is idle now; let go of everything."""
+        with self._lock:
+            r = self.runner
+            if self._kept is not None:
+                r._dropped += [(s, ref) for s, _, ref, _ in self._kept.grads]
+            self._kept = None
+            r.drop_ahead()
+            r._settle(_Deadline(time.monotonic() + deadline_s, deadline_s), self.live)
+            if forget:
+                self._partial, self._done, r._applies, r._workers = None, None, {}, {}
 
-    def step(self, call: int, epoch: int, k: int, top: list, takers: frozenset, deadline_s: float,
+    def begin(self, call: int, epoch: int, k: int, assignment: dict, deadline_s: float):
+        """Step k's gradient calls and subtrees, issued (nothing gathered):
+        answers ("ok", [(key, ref)] of the subtrees' tops)."""
+        with self._lock:
+            self._begin(call, epoch, k)
+            r = self.runner
+            if self._kept is not None:
+                r._dropped += [(s, ref) for s, _, ref, _ in self._kept.grads]
+            self._kept = None
+            r.drop_ahead()
+            r._settle(_Deadline(time.monotonic() + deadline_s, deadline_s), self.live)
+            self._kept, self._from_finish = issue_subtrees(r, k, self.live, assignment, self._ranges,
+                                                           self._depth), False
+            return ("ok", _tops(self._kept.tops[0]))
+
+    def step(self, call: int, epoch: int, k: int, top: list, driver_applies: dict, deadline_s: float,
              ahead: Optional[dict]):
-        """Step k's applies, each taking a copy of the driver's sum
-        (`top`: [(key, ref)]), and with `ahead` step k+1's gradients and
-        subtrees issued behind them. Answers ("ok", metrics, snapshots) or
-        a failure, as collect."""
-        self._begin(call, epoch, k)
-        wait = _Deadline(time.monotonic() + deadline_s, deadline_s)
-        r = self.runner
-        # Every group's gradient phase is in: let its payloads go (held,
-        # they would double the gradients' memory in the object store).
-        r._ahead, self._kept = None, None
-        first = min(self.live)
+        """Step k's applies on the group's slices but those the driver
+        applies itself (`driver_applies`: slice -> its hosts' apply refs),
+        each taking a copy of `top` ([(key, ref)]); with `ahead`, step k+1's
+        gradients and subtrees behind them. Answers ("ok", metrics, tops of
+        step k+1 or None), ("reissued", tops) when a call was re-issued and
+        the driver must sum again, ("aborted",), or ("failed", failure,
+        attrs) with attrs["phase"] "grads" or "apply"."""
+        with self._lock:
+            self._begin(call, epoch, k)
+            if self._done is not None and self._done[0] == k:
+                return self._done[1]  # asked again (another leader was replaced): applies are idempotent
+            pre = self._kept
+            if pre is None or pre.step != k:
+                raise RuntimeError(f"no gradient phase of step {k} was issued on this leader")
+            return self._step(k, pre, top, driver_applies, _Deadline(time.monotonic() + deadline_s, deadline_s),
+                              ahead)
+
+    def _step(self, k: int, pre: _Issued, top: list, driver_applies: dict, wait: _Deadline, ahead):
+        r, live = self.runner, self.live
+        first = min(live)
+        copy, boxes = r._tree_level(k, {first: live[first]}, [(key, [ref]) for key, ref in top], 0)
+        mine = {s: sl for s, sl in live.items() if s not in driver_applies}
+        applies, _ = r._issue_apply(k, mine, [boxes[0][1][0]], frozenset()) if mine else ([], None)
+        r._workers = {s: list(sl.workers) for s, sl in live.items()}  # settle_applies tells them all
+        nxt = None
+        if ahead is not None:
+            after = {s: list(refs) for s, refs in driver_applies.items()}
+            for s, _, ref, _ in applies:
+                after.setdefault(s, []).append(ref)
+            nxt = issue_subtrees(r, k + 1, live, ahead, self._ranges, self._depth, after)
+        phase, reissued = "grads", r._reissued
         try:
-            copy_calls, boxes = r._tree_level(k, {first: self.live[first]}, [(key, [ref]) for key, ref in top], 0)
-            applies, snaps = r._issue_apply(k, self.live, [boxes[0][1][0]], takers)
-            if ahead is not None:
-                after: dict = {}
-                for s, _, ref, _ in applies:
-                    after.setdefault(s, []).append(ref)
-                r._ahead = issue_subtrees(r, k + 1, self.live, ahead, self._ranges, self._depth, after)
-            reissued = r._reissued
-            r._gather(copy_calls, k, wait, self.live)
-            if r._reissued != reissued:  # the applies hold the first copy's void ref
-                r.drop_ahead()
-                applies, snaps = r._issue_apply(k, self.live, [boxes[0][1][0]], takers)
-            metrics = r._gather(applies, k, wait, self.live)
+            if self._from_finish:
+                r._gather(pre.grads, k, wait, live)  # as the driver's finish: a second loss redoes the step
+            else:
+                r._gather_grads(pre.grads, pre.payloads, k, live, pre.assignment, wait)
+            for level in pre.levels:
+                if r._reissued != reissued:
+                    break
+                r._gather(level, k, wait, live)
             if r._reissued != reissued:
-                r.drop_ahead()  # issued after an apply call that was re-issued
-            return ("ok", metrics, snaps())
+                # A re-issued call's dependents hold its void ref (the
+                # driver's sum too): make the subtrees again over the
+                # gradients, which are all in, and let the driver sum again.
+                holder = self._holder() if self._from_finish else {
+                    shard: pre.payloads[s][0] for s, shards in pre.assignment.items() for shard in shards}
+                levels, tops = _subtrees(r, k, live, holder, [], self._ranges, self._depth)
+                for level in levels:
+                    r._gather(level, k, wait, live)
+                self._kept = _Issued(k, dict(live), pre.assignment, [], pre.payloads, [], {0: tops})
+                self._drop(nxt)
+                return ("reissued", _tops(tops))
+            phase = "apply"
+            r._gather(copy, k, wait, live)
+            if r._reissued != reissued:
+                self._drop(nxt)
+                return ("reissued", top)  # the applies hold the first copy's void ref: the same sum again
+            metrics = r._gather(applies, k, wait, live)
+            if r._reissued != reissued:
+                self._drop(nxt)
+                return ("reissued", top)
         except StepAborted:
-            r.drop_ahead()
+            self._drop(nxt)
             return ("aborted",)
         except SliceFailure as f:
-            r.drop_ahead()
-            return _failed(f)
+            self._drop(nxt)
+            if phase == "grads" and not self._from_finish:
+                self._kept = None
+                self._partial = getattr(f, "partial", None)
+            return _failed(f, phase)
+        self._kept, self._from_finish = nxt, False
+        reply = ("ok", metrics, None if nxt is None else _tops(nxt.tops[0]))
+        self._done = (k, reply)
+        return reply
+
+    def _drop(self, nxt: Optional[_Issued]) -> None:
+        if nxt is not None:
+            self.runner._ahead = nxt
+            self.runner.drop_ahead()
 
     def finish(self, call: int, epoch: int, k: int, deadline_s: float):
-        """Complete step k's gradient phase after this group lost a slice in
-        it (`collect` answered with the failure): the group's survivors
-        (`set_live` since) compute the lost slice's shards, spread over
-        them in order; the others' gradients are kept. Answers as collect."""
-        self._begin(call, epoch, k)
-        wait = _Deadline(time.monotonic() + deadline_s, deadline_s)
-        r, partial = self.runner, self._partial
-        if partial is None or partial.step != k:
-            raise RuntimeError(f"no gradient phase of step {k} to finish")
-        r.drop_ahead()
-        r._settle(wait, self.live)
-        kept = {s: p for s, p in partial.payloads.items() if s in self.live}
-        missing = sorted(shard for s, shards in partial.assignment.items() if s not in kept for shard in shards)
-        order = sorted(self.live)
-        extra = {s: tuple(missing[i::len(order)]) for i, s in enumerate(order) if missing[i::len(order)]}
-        try:
-            issued, payloads = r._issue_grads(k, self.live, extra)
-            r._gather([c for c in partial.pending if c[0] in kept] + issued, k, wait, self.live)
-            # Each shard's leaf takes the payload that holds it: a
-            # survivor's own, or the one it computed for the lost slice.
-            holder = {shard: kept[s][0] for s, shards in partial.assignment.items() if s in kept for shard in shards}
-            holder.update({shard: payloads[s][0] for s, shards in extra.items() for shard in shards})
-            levels, tops = _subtrees(r, k, self.live, holder, [], self._ranges, self._depth)
-            for level in levels:
-                r._gather(level, k, wait, self.live)
-            self._partial = None
-            return ("ok", [(key, box[0]) for key, box in tops], False)
-        except StepAborted:
-            return ("aborted",)
-        except SliceFailure as f:
-            self._partial = None
-            return _failed(f)
+        """After a slice failed in step k's gradient phase: this group's
+        part of it, issued again. The lost slice's group: its survivors
+        (`set_live` since) compute its shards, spread over them in order,
+        and the others' gradients are kept. Another group: the subtrees are
+        made again over its gradients (a lost node's `abort_waits` may have
+        ended the first ones). A leader started since: its range, computed
+        anew. Answers ("ok", tops), like begin."""
+        with self._lock:
+            self._begin(call, epoch, k)
+            r, live = self.runner, self.live
+            wait = _Deadline(time.monotonic() + deadline_s, deadline_s)
+            shards = [shard for lo, hi in self._ranges for shard in range(lo, hi)]
+            pre, partial = self._kept, self._partial
+            if partial is not None and partial.step == k:
+                kept, pending = {s: p for s, p in partial.payloads.items() if s in live}, partial.pending
+                held = {shard: kept[s][0] for s, sh in partial.assignment.items() if s in kept for shard in sh}
+            elif pre is not None and pre.step == k and pre.live.keys() == live.keys():
+                kept, pending = pre.payloads, pre.grads
+                held = {shard: kept[s][0] for s, sh in pre.assignment.items() for shard in sh}
+            else:
+                kept, pending, held = {}, [], {}
+            r.drop_ahead()
+            r._settle(wait, live)
+            missing = [shard for shard in shards if shard not in held]
+            order = sorted(live)
+            extra = {s: tuple(missing[i::len(order)]) for i, s in enumerate(order) if missing[i::len(order)]}
+            issued, payloads = r._issue_grads(k, live, extra)
+
+            def holder() -> dict:  # read again after a re-issue, which replaces a payload's ref
+                return {**held, **{shard: payloads[s][0] for s, sh in extra.items() for shard in sh}}
+
+            self._holder = holder
+            levels, tops = _subtrees(r, k, live, holder(), [], self._ranges, self._depth)
+            grads = [c for c in pending if c[0] in live] + issued
+            self._kept = _Issued(k, dict(live), {}, grads, {}, levels, {0: tops})
+            self._from_finish, self._partial = True, None
+            return ("ok", _tops(tops))
 
     def settle(self, epoch: int, timeout_s: float, slices: Optional[list], abort_waits: bool) -> None:
-        """After a failure: StepRunner.settle_applies on this group's calls."""
-        self.runner._epoch = epoch
-        self.runner.settle_applies(timeout_s, None if slices is None else set(slices), abort_waits)
+        """After a failure: StepRunner.settle_applies on this group's calls.
+        One the driver stopped waiting for, overtaken by later calls, does
+        nothing."""
+        with self._lock:
+            if epoch < self._epoch_seen:
+                return
+            self._epoch_seen = epoch
+            self.runner._epoch = epoch
+            self._done = None
+            self.runner.settle_applies(timeout_s, None if slices is None else set(slices), abort_waits)
 
-    def drop(self) -> None:
-        self.runner.drop_ahead()
+
+def _tops(boxes: list) -> list:
+    return [(key, box[0]) for key, box in boxes]
 
 
-def _failed(f: SliceFailure) -> tuple:
+def _failed(f: SliceFailure, phase: str) -> tuple:
     # An exception pickles its constructor's arguments only: the rest rides apart.
-    return ("failed", f, {"node_silent": bool(getattr(f, "node_silent", False)),
+    return ("failed", f, {"phase": phase, "node_silent": bool(getattr(f, "node_silent", False)),
                           "partial": getattr(f, "partial", None) is not None})

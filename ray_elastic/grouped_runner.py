@@ -3,23 +3,25 @@
 With `slices_per_leader` set, the driver no longer calls every slice. The
 shards are cut into ranges (`data.leader_ranges`), one per leader; the
 live slices into as many groups (`data.leader_groups`), each computing its
-own range. A step is two rounds of one call per leader (group_leader.py):
-
-1. `collect`: each leader gathers its group's gradients and its subtrees of
-   the reduction tree, and answers with their tops;
-2. the driver sums the tops (the rest of the tree: a few calls, on the
-   slices' workers), then `step`: each leader applies that sum on its
-   group and issues the next step's gradient phase behind the applies.
+own range. A steady step is one call per leader (group_leader.py): the
+driver sums the leaders' subtree tops of step k (the tree's last levels:
+a few calls on the slices' workers, issued on refs), makes the
+snapshotting slices' applies itself (so that it owns the snapshots), and
+calls `step(k, sum)` on every leader, which applies it on its group and
+issues step k+1's gradient phase behind the applies; its reply carries
+step k+1's tops. Everything is issued ahead of need, as in the driver's
+own pipelined dispatch: a step costs max(compute, the driver's work).
 
 The tree has the shape the driver alone would build, so the sums are
-bitwise the same. Failures keep their meaning: a leader answers with the
-first failure of its group, sorted by its own FailureLocator into the same
-closed set of kinds, and the driver calls off the other leaders' calls and
-raises it. A slice lost in the gradient phase carries a `partial`:
-`finish` has its group's survivors compute its shards and keeps every
-other gradient, so no step is redone. A leader whose process dies is
-replaced and its call made again (every call is pure or idempotent):
-no slice is lost and no step is redone.
+bitwise the same. Failures keep their meaning. A leader answers with the
+first failure of its group, sorted into the same closed set of kinds,
+with its phase; they are ranked (a leader's gradient phase, then the
+driver's own top of the tree, then an apply), because only an apply can
+fail for want of an input from elsewhere. A slice lost in the gradient
+phase carries a `partial`: `finish` has its group's survivors compute
+its shards and keeps every other group's gradients, so no step is
+redone. A leader whose process dies is replaced and its part made again
+(every call is pure or idempotent): no slice is lost and no step redone.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.data import leader_groups
-from ray_elastic.errors import ConfigError, RunFailed, SliceFailure
+from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure
 from ray_elastic.failure_location import FailureLocator
 from ray_elastic.group_leader import GroupLeader
 from ray_elastic.step_runner import PartialStep, StepResult, StepRunner, _Deadline
@@ -67,7 +69,8 @@ class GroupedRunner:
         self._call = 0  # one id per round of calls, for calling a round off
         self._epoch = 0  # StepRunner's epochs, counted here for every leader
         self._fresh = True  # the next collect issues anew (nothing issued ahead is used)
-        self._failed: Optional[tuple] = None  # (step, leader, its slices, its ranges, the step's assignment)
+        self._failed: Optional[tuple] = None  # (step, its groups) of a gradient phase that lost a slice
+        self._next: Optional[tuple] = None  # (step, its groups' shards, leader -> its subtrees' tops), issued ahead
 
     # -- leaders ------------------------------------------------------------
 
@@ -78,25 +81,42 @@ class GroupedRunner:
         return GroupLeader.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=True)).remote(self.fan_in)
 
-    def _sync(self, groups: list, live: Mapping) -> None:
-        """Tell each leader its slices and ranges, where they changed."""
+    def _sync(self, groups: list, live: Mapping, deadline_s: float = 60.0) -> bool:
+        """Tell each leader its slices and ranges, where they changed; a
+        leader whose slices change first lets its issued calls end (no
+        worker runs two gradient phases). Idle leaders let everything go.
+        Whether anything changed."""
         while len(self._leaders) < len(groups):
             self._leaders.append(self._new_leader())
             self._sent.append(None)
-        refs = []
+        changed = []
         for g, (slices, ranges) in enumerate(groups):
             part = {s: live[s] for s in slices}
             sent = self._sent[g]
             if sent is None or sent[1] != ranges or sent[0].keys() != part.keys() or any(
                     sent[0][s] is not part[s] for s in part):
-                self._sent[g] = (part, ranges)
-                refs.append((g, self._leaders[g].set_live.remote(part, ranges, self.depth)))
-        for g, ref in refs:
+                changed.append((g, part, ranges))
+        idle = [g for g in range(len(groups), len(self._leaders)) if self._sent[g] is not None]
+        if not changed and not idle:
+            return False
+        moving = {s for _, part, _ in changed for s in part}
+        waits = [self._leaders[g].quiesce.remote(deadline_s) for g in range(len(groups))
+                 if self._sent[g] is not None and set(self._sent[g][0]) & moving]
+        waits += [self._leaders[g].quiesce.remote(deadline_s, True) for g in idle]
+        for g in idle:
+            self._sent[g] = None
+        try:
+            ray.get(waits, timeout=deadline_s + 10)
+        except rex.RayError:
+            pass  # a leader lost: made again below, when it is used
+        for g, part, ranges in changed:
+            self._sent[g] = (part, ranges)
             try:
-                ray.get(ref, timeout=60)
+                ray.get(self._leaders[g].set_live.remote(part, ranges, self.depth), timeout=60)
             except rex.RayError as e:
                 self._replace(g, e)
-                self._sync(groups, live)
+                return self._sync(groups, live, deadline_s) or True
+        return True
 
     def _replace(self, g: int, cause: BaseException) -> None:
         log.warning("group leader %d lost (%s): starting another", g, type(cause).__name__)
@@ -108,11 +128,14 @@ class GroupedRunner:
         self._sent[g] = None
         self.leaders_replaced += 1
 
-    def _round(self, calls: dict, wait: _Deadline, groups: list, live: Mapping,
-               on_issued: Callable[[], None] = lambda: None) -> dict:
+    def _round(self, calls: dict, wait: _Deadline, groups: list, live: Mapping, on_death: Callable,
+               top_calls: Optional[list] = None, k: int = 0) -> dict:
         """Make calls[g] = (method, args) on each leader g; their replies
-        by leader. The first failure calls the rest off and is raised. A
-        leader that dies is replaced and asked again, once."""
+        by leader ("ok" or "reissued"). A leader that dies is replaced and
+        `on_death(g)` makes its call again (once). Failures are ranked:
+        a leader's gradient phase (the others are called off at once), the
+        driver's own top of the tree (`top_calls`, looked at when an apply
+        fails: it may have failed for want of the sum), then an apply."""
         self._call += 1
         call = self._call
 
@@ -121,8 +144,14 @@ class GroupedRunner:
             return getattr(self._leaders[g], method).remote(call, self._epoch, *args)
 
         pending = {submit(g): g for g in calls}
-        on_issued()
-        out, failure, retried = {}, None, set()
+        out: dict = {}
+        failures: list = []  # (rank, order, failure)
+        retried: set = set()
+
+        def call_off() -> None:
+            for other in pending.values():
+                self._leaders[other].abort.remote(call)
+
         while pending:
             remaining = wait.at + LEADER_GRACE_S - self._clock()
             if remaining <= 0:
@@ -140,21 +169,42 @@ class GroupedRunner:
                     retried.add(g)
                     self._replace(g, e)
                     self._sync(groups, live)
-                    pending[submit(g)] = g
+                    pending[on_death(g, submit)] = g
                     continue
-                if reply[0] == "failed" and failure is None:
-                    failure = (g, reply)
-                    for other in pending.values():  # end their waits: the step is over
-                        self._leaders[other].abort.remote(call)
-                elif reply[0] == "ok":
+                except rex.RayTaskError as e:  # a leader's own error: a defect, not a slice's failure
+                    raise RunFailed(f"group leader {g}: {e}", setting="slices_per_leader") from None
+                if reply[0] == "failed":
+                    f, attrs = reply[1], reply[2]
+                    if attrs.get("node_silent"):
+                        f.node_silent = True
+                    f.leader_partial = attrs.get("partial", False)
+                    grads = attrs.get("phase") == "grads"
+                    failures.append((0 if grads else 2, len(failures), f))
+                    if grads and len(failures) == 1:
+                        call_off()
+                    elif not grads and top_calls:
+                        top = self._top_failure(top_calls, k, live)
+                        if top is not None:
+                            failures.append((1, len(failures), top))
+                            call_off()
+                        top_calls = None
+                elif reply[0] in ("ok", "reissued"):
                     out[g] = reply
-        if failure is not None:
-            g, (_, f, attrs) = failure
-            if attrs.get("node_silent"):
-                f.node_silent = True
-            f.leader_partial = attrs.get("partial", False)
-            raise f
+        if failures:
+            raise min(failures, key=lambda x: x[:2])[2]
+        if len(out) != len(calls):  # called off with no failure seen: never apply a partial sum
+            raise RunFailed(f"group leaders {sorted(set(calls) - set(out))} gave up a step that did not "
+                            "fail", setting="slices_per_leader")
         return out
+
+    def _top_failure(self, top_calls: list, k: int, live: Mapping) -> Optional[SliceFailure]:
+        """Whether the driver's own top of the tree failed (a reducer lost):
+        looked at for up to a second, on every live slice's node."""
+        try:
+            self.top._gather(top_calls, k, _Deadline(self._clock() + 1.0, 1.0), live)
+        except SliceFailure as f:
+            return None if f.kind is FailureKind.HUNG else f  # still coming: not a failure of its own
+        return None
 
     # -- steps ----------------------------------------------------------------
 
@@ -167,84 +217,128 @@ class GroupedRunner:
             raise ConfigError("slices_per_leader", "group leaders take replicated layouts only; this program "
                               "shards its state over each slice's hosts: set slices_per_leader=0")
         groups = leader_groups(live, self.ranges)
-        self._sync(groups, live)
-        fresh, self._fresh = self._fresh, False
+        changed = self._sync(groups, live, deadline_s)
         parts = [{s: tuple(assignment[s]) for s in slices} for slices, _ in groups]
+        nxt, self._next = self._next, None
+        ran_ahead = not changed and not self._fresh and nxt is not None and nxt[0] == k and nxt[1] == parts
+        self._fresh = False
         try:
-            replies = self._round({g: ("collect", (k, parts[g], deadline_s, fresh)) for g in range(len(groups))},
-                                  wait, groups, live, on_issued)
+            if ran_ahead:
+                tops = nxt[2]
+            else:
+                tops = self._begin_round(k, parts, wait, groups, live)
+            on_issued()
+            return self._step_round(k, live, groups, tops, takers, wait, ahead, ran_ahead,
+                                    lambda g: self._ask_one(g, "begin", k, parts[g], wait.seconds))
         except SliceFailure as f:
             self._fresh = True
-            g = next(g for g, (slices, _) in enumerate(groups) if f.slice_id in slices)
-            if getattr(f, "leader_partial", False) and len(groups[g][0]) > 1:
+            g = next((g for g, (slices, _) in enumerate(groups) if f.slice_id in slices), None)
+            if getattr(f, "leader_partial", False) and g is not None and len(groups[g][0]) > 1:
                 # Lost in the gradient phase, and its group has survivors to
                 # compute its shards: every other gradient is kept (finish).
-                self._failed = (k, g, groups, dict(assignment))
+                self._failed = (k, groups)
                 f.partial = PartialStep(k, dict(assignment), {s: None for s in live if s != f.slice_id})
             raise
-        try:
-            return self._apply(k, live, replies, takers, wait, ahead,
-                               ran_ahead=all(r[2] for r in replies.values()))
-        except SliceFailure:
-            self._fresh = True
-            raise
 
-    def _apply(self, k: int, live: Mapping, replies: dict, takers: frozenset, wait: _Deadline,
-               ahead: Optional[Mapping], ran_ahead: bool) -> StepResult:
-        top = self._top(k, live, sorted(t for r in replies.values() for t in r[1]), wait)
-        groups = leader_groups(live, self.ranges)
-        self._sync(groups, live)
-        calls = {}
-        for g, (slices, _) in enumerate(groups):
-            nxt = None if ahead is None else {s: tuple(ahead[s]) for s in slices}
-            calls[g] = ("step", (k, top, frozenset(s for s in takers if s in slices), wait.seconds, nxt))
-        replies = self._round(calls, wait, groups, live)
-        if ran_ahead:
-            self.steps_ahead += 1
-        if ahead is None:
-            self._fresh = True
-        metrics, snaps = {}, {}
-        for r in replies.values():
-            metrics.update(r[1])
-            snaps.update(r[2])
-        return StepResult(metrics, snaps)
+    def _begin_round(self, k: int, parts: list, wait: _Deadline, groups: list, live: Mapping) -> dict:
+        calls = {g: ("begin", (k, parts[g], wait.seconds)) for g in range(len(groups))}
+        replies = self._round(calls, wait, groups, live, lambda g, submit: submit(g))
+        return {g: r[1] for g, r in replies.items()}
 
-    def _top(self, k: int, live: Mapping, tops: list, wait: _Deadline) -> list:
+    def _step_round(self, k: int, live: Mapping, groups: list, tops: dict, takers: frozenset, wait: _Deadline,
+                    ahead: Optional[Mapping], ran_ahead: bool, restart: Callable[[int], list]) -> StepResult:
+        """Sum the leaders' `tops` and apply on every group; `restart(g)`
+        issues a new leader's part of step k and gives its tops."""
+        nxt_parts = None if ahead is None else [{s: tuple(ahead[s]) for s in slices} for slices, _ in groups]
+        for _ in range(3):
+            top, top_calls = self._issue_top(k, live, sorted(t for g in tops for t in tops[g]))
+            # The snapshotting slices' applies are the driver's own: it then
+            # owns the snapshots, which outlive any leader.
+            mine = {s: live[s] for s in takers}
+            applies, snaps = self.top._issue_apply(k, mine, [top[0][1]], takers) if mine else ([], dict)
+            by_slice: dict = {}
+            for s, _, ref, _ in applies:
+                by_slice.setdefault(s, []).append(ref)
+
+            def step_call(g: int):
+                slices = groups[g][0]
+                return ("step", (k, top, {s: by_slice[s] for s in slices if s in by_slice},
+                                 max(1.0, wait.at - self._clock()), None if nxt_parts is None else nxt_parts[g]))
+
+            def on_death(g: int, submit):
+                # A new leader has nothing issued: its part of step k first,
+                # then the sum again (the others answer again as they did).
+                tops[g] = restart(g)
+                raise _SumAgain()
+
+            try:
+                replies = self._round({g: step_call(g) for g in range(len(groups))}, wait, groups, live,
+                                      on_death, top_calls, k)
+            except _SumAgain:
+                continue
+            again = {g: r[1] for g, r in replies.items() if r[0] == "reissued"}
+            if again:
+                tops.update(again)
+                continue
+            metrics = self.top._gather(applies, k, wait, live) if applies else {}
+            for r in replies.values():
+                metrics.update(r[1])
+            if ran_ahead:
+                self.steps_ahead += 1
+            if nxt_parts is not None:
+                self._next = (k + 1, nxt_parts, {g: r[2] for g, r in replies.items()})
+            return StepResult(metrics, snaps())
+        raise RunFailed(f"step {k}: the sum over the group leaders was made 3 times without taking",
+                        setting="slices_per_leader")
+
+    def _ask_one(self, g: int, method: str, *args) -> list:
+        """One leader's begin or finish, alone: its tops."""
+        self._call += 1
+        reply = ray.get(getattr(self._leaders[g], method).remote(self._call, self._epoch, *args), timeout=120)
+        return reply[1]
+
+    def _issue_top(self, k: int, live: Mapping, tops: list) -> tuple[list, list]:
         """The rest of the tree over the leaders' subtrees, on the slices'
-        workers, gathered level by level: [(key, ref)] of its one top."""
+        workers, issued on refs: ([(key, ref)] of its one top, its calls)."""
         r = self.top
         r._epoch = self._epoch
-        nodes, built = [(key, [ref]) for key, ref in tops], self.depth
+        nodes, built, calls = [(key, [ref]) for key, ref in tops], self.depth, []
         while r._deeper(nodes, built):
             built += 1
             issued, boxes = r._tree_level(k, live, nodes, 0)
-            r._gather(issued, k, wait, live)
+            calls += issued
             nodes = [(key, [box[0]]) for key, box in boxes]
-        return [(key, refs[0]) for key, refs in nodes]
+        return [(key, refs[0]) for key, refs in nodes], calls
 
     def finish(self, partial: PartialStep, live: Mapping, takers: frozenset, deadline_s: float) -> StepResult:
         """Complete a step whose gradient phase lost a slice: that slice's
-        group's survivors compute its shards; the other leaders' parts, kept
-        by them, are collected as they were."""
+        group's survivors compute its shards; the other leaders make their
+        subtrees again over the gradients they kept. The step applies on
+        the groups it ran on, less the lost slice."""
         if self._failed is None or self._failed[0] != partial.step:
             raise RuntimeError(f"no gradient phase of step {partial.step} to finish")
-        k, failed, groups, assignment = self._failed
+        k, groups = self._failed
         self._failed = None
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
-        step_groups = [([s for s in slices if s in live], ranges) for slices, ranges in groups]
-        self._sync(step_groups, live)
-        calls = {g: ("finish", (k, deadline_s)) if g == failed else
-                 ("collect", (k, {s: tuple(assignment[s]) for s in slices}, deadline_s, False))
-                 for g, (slices, _) in enumerate(step_groups)}
-        replies = self._round(calls, wait, step_groups, live)
-        return self._apply(k, live, replies, takers, wait, None, ran_ahead=False)
+        groups = [([s for s in slices if s in live], ranges) for slices, ranges in groups]
+        self._sync(groups, live, deadline_s)
+        calls = {g: ("finish", (k, deadline_s)) for g in range(len(groups))}
+        replies = self._round(calls, wait, groups, live, lambda g, submit: submit(g))
+        tops = {g: r[1] for g, r in replies.items()}
+        self._fresh = True
+        return self._step_round(k, live, groups, tops, takers, wait, None, False,
+                                lambda g: self._ask_one(g, "finish", k, deadline_s))
 
     def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
-        """After a failure, every leader settles its group's applies
-        (StepRunner.settle_applies); the next calls get a new epoch."""
-        self._fresh = True
-        refs = [(g, leader.settle.remote(self._epoch, timeout_s, None if slices is None else sorted(slices),
-                                         abort_waits)) for g, leader in enumerate(self._leaders)]
+        """After a failure, every leader settles its group's applies, and
+        the driver its own (StepRunner.settle_applies); the next calls get
+        a new epoch."""
+        self._fresh, self._next = True, None
+        which = None if slices is None else sorted(slices)
+        refs = [(g, leader.settle.remote(self._epoch, timeout_s, which, abort_waits))
+                for g, leader in enumerate(self._leaders)]
+        self.top._epoch = self._epoch
+        self.top.settle_applies(timeout_s, slices, abort_waits)
         self._epoch += 1
         for g, ref in refs:
             try:
@@ -255,7 +349,7 @@ class GroupedRunner:
                 self._replace(g, e)
 
     def drop_ahead(self) -> None:
-        self._fresh = True
+        self._fresh, self._next = True, None
 
     def close(self) -> None:
         for leader in self._leaders:
@@ -264,3 +358,7 @@ class GroupedRunner:
             except Exception:
                 pass
         self._leaders, self._sent = [], []
+
+
+class _SumAgain(Exception):
+    """A leader was replaced mid-step: its part was issued anew, sum again."""
