@@ -203,6 +203,8 @@ class FakeWorker:
     def _apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0) -> tuple:
         # parts are refs (payloads or partial sums): a real worker gets them
         # resolved by Ray; the fake never looks inside.
+        if self._owner.handed_out and step > self.step:
+            self.step = step  # the driver's own call (a snapshot's apply) on a copy the leaders left behind
         if self.step == step + 1 and self._last_apply is not None:
             metrics = self._last_apply
         else:
@@ -271,6 +273,9 @@ class FakeSlices:
         self.started: list[int] = []
         self.ready: dict = {}  # ref handed out -> its modelled ready time (None: failed)
         self._clocks: list = []  # the clock actors, made on first use
+        # Sent to group leaders: their copies of the workers run the steps,
+        # and these ones' `step` falls behind.
+        self.handed_out = False
         if self._pending_failures:
             _tombstone()  # made now, not on the first failure's clock
         type(self).instances.append(self)
@@ -287,6 +292,7 @@ class FakeSlices:
         # leader's copy models the refs its own calls hand out.
         state = dict(self.__dict__)
         state["ready"] = {}
+        self.handed_out = True
         return state
 
     def refs_at(self, at: float, results: list) -> list:

@@ -89,3 +89,75 @@ def test_bad_group_settings_are_named(kw, words):
     with pytest.raises(ConfigError) as e:
         ElasticConfig(num_slices=4, **kw)
     assert e.value.setting == "slices_per_leader" and words in str(e.value)
+
+
+class _Call:
+    """A fake actor method: `.options(...).remote(...)` returns plain
+    values standing in for refs, so the real tree-building code runs."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        return self._fn(*args)
+
+
+class _Worker:
+    def __init__(self, s: int):
+        self.compute_grads = _Call(lambda k, shards, *after: (("status", s), ("payload", tuple(shards))))
+        self.reduce = _Call(lambda k, keys, parts, epoch=0: (("status", keys), ("sum", tuple(keys), tuple(parts))))
+
+
+class _Slice:
+    def __init__(self, s: int):
+        self.workers, self.infos, self.per_host = [_Worker(s)], [{"node_id": "n"}], False
+
+
+def _structure(part, key):
+    """The additions a reduce node makes, as nested keys: what decides
+    its sum's bits (reduction.reduce_pieces picks each piece by key)."""
+    if part[0] == "payload":
+        return key
+    return tuple(_structure(_holding(part[2], k), k) for k in part[1])
+
+
+def _holding(parts, key):
+    for p in parts:
+        if (p[0] == "payload" and key in p[1]) or (p[0] == "sum" and p[1][0] == key):
+            return p
+    raise AssertionError(f"no part holds {key}")
+
+
+@pytest.mark.parametrize("fan, shards, per_leader, lost", [
+    (2, 16, 4, ()), (2, 64, 16, ()), (2, 64, 16, (3, 17, 40)), (2, 100, 24, (0,)), (2, 40, 16, (5, 6, 7)),
+    (2, 24, 8, tuple(range(2, 24))), (8, 100, 24, ()), (8, 300, 64, (1, 99, 250)), (8, 1024, 64, (7,)),
+    (8, 1000, 32, ()),
+])
+def test_the_leaders_code_builds_the_drivers_tree(fan, shards, per_leader, lost):
+    """The real code, on fake workers: the driver alone (StepRunner._issue
+    over every live slice) against the leaders (data.assign_shards and
+    leader_groups, group_leader.issue_subtrees per group, then
+    GroupedRunner._issue_top), after losing the slices `lost`: the same
+    additions in the same order."""
+    from ray_elastic.group_leader import issue_subtrees
+    from ray_elastic.grouped_runner import GroupedRunner
+    from ray_elastic.step_runner import StepRunner
+
+    live = {s: _Slice(s) for s in range(shards) if s not in lost}
+    flat = StepRunner(None, lambda: 0.0, fan_in=fan, pipeline=True)
+    issued = flat._issue(0, live, assign_shards(live, shards, "accumulate"))
+    (flat_top,) = issued.tops[0]
+    ranges, depth = leader_ranges(shards, shards, per_leader, fan)
+    assert len(ranges) >= 2
+    assignment = assign_shards(live, shards, "accumulate", ranges)
+    tops = []
+    for slices, held in leader_groups(live, ranges):
+        runner = StepRunner(None, lambda: 0.0, fan_in=fan, pipeline=True)
+        part = issue_subtrees(runner, 0, {s: live[s] for s in slices}, {s: assignment[s] for s in slices}, held, depth)
+        tops += [(key, box[0]) for key, box in part.tops[0]]
+    grouped = GroupedRunner(None, lambda: 0.0, ranges, depth, fan_in=fan)
+    [(key, top)], _ = grouped._issue_top(0, live, sorted(tops))
+    assert key == 0 and _structure(top, 0) == _structure(flat_top, 0)
