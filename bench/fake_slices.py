@@ -187,6 +187,8 @@ class FakeWorker:
         return {"setup_s": 0.0, "devices": 1}
 
     def _compute_grads(self, step: int, shards: tuple, *after) -> tuple:
+        if self._owner.handed_out and step > self.step:
+            self.step = step
         if step != self.step:
             raise RuntimeError(f"fake slice {self.slice_id} holds step {self.step}, asked for {step}")
         if self.host != 0:
@@ -204,7 +206,7 @@ class FakeWorker:
         # parts are refs (payloads or partial sums): a real worker gets them
         # resolved by Ray; the fake never looks inside.
         if self._owner.handed_out and step > self.step:
-            self.step = step  # the driver's own call (a snapshot's apply) on a copy the leaders left behind
+            self.step = step  # see FakeSlices.handed_out
         if self.step == step + 1 and self._last_apply is not None:
             metrics = self._last_apply
         else:
@@ -273,8 +275,9 @@ class FakeSlices:
         self.started: list[int] = []
         self.ready: dict = {}  # ref handed out -> its modelled ready time (None: failed)
         self._clocks: list = []  # the clock actors, made on first use
-        # Sent to group leaders: their copies of the workers run the steps,
-        # and these ones' `step` falls behind.
+        # Sent to group leaders: a worker's calls are then made on several
+        # copies (a leader's, the driver's for snapshot applies), each
+        # with its own `step`, which is then taken from the call.
         self.handed_out = False
         if self._pending_failures:
             _tombstone()  # made now, not on the first failure's clock
@@ -292,7 +295,7 @@ class FakeSlices:
         # leader's copy models the refs its own calls hand out.
         state = dict(self.__dict__)
         state["ready"] = {}
-        self.handed_out = True
+        state["handed_out"] = self.handed_out = True
         return state
 
     def refs_at(self, at: float, results: list) -> list:

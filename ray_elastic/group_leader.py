@@ -168,7 +168,7 @@ class GroupLeader:
             return ("ok", _tops(self._kept.tops[0]))
 
     def step(self, call: int, epoch: int, k: int, top: list, driver_applies: dict, deadline_s: float,
-             ahead: Optional[dict]):
+             ahead: Optional[dict], apply_only: bool = False):
         """Step k's applies on the group's slices but those the driver
         applies itself (`driver_applies`: slice -> its hosts' apply refs),
         each taking a copy of `top` ([(key, ref)]); with `ahead`, step k+1's
@@ -180,7 +180,7 @@ class GroupLeader:
             self._begin(call, epoch, k)
             if self._done is not None and self._done[0] == k:
                 return self._done[1]  # asked again (another leader was replaced): applies are idempotent
-            pre = self._kept
+            pre = _Issued(k, dict(self.live), {}, [], {}, [], {0: []}) if apply_only else self._kept
             if pre is None or pre.step != k:
                 raise RuntimeError(f"no gradient phase of step {k} was issued on this leader")
             return self._step(k, pre, top, driver_applies, _Deadline(time.monotonic() + deadline_s, deadline_s),

@@ -260,20 +260,29 @@ class GroupedRunner:
             for s, _, ref, _ in applies:
                 by_slice.setdefault(s, []).append(ref)
 
-            def step_call(g: int):
+            def step_call(g: int, apply_only: bool = False):
                 slices = groups[g][0]
                 return ("step", (k, top, {s: by_slice[s] for s in slices if s in by_slice},
-                                 max(1.0, wait.at - self._clock()), None if nxt_parts is None else nxt_parts[g]))
+                                 max(1.0, wait.at - self._clock()), None if nxt_parts is None else nxt_parts[g],
+                                 apply_only))
+
+            calls = {g: step_call(g) for g in range(len(groups))}
 
             def on_death(g: int, submit):
-                # A new leader has nothing issued: its part of step k first,
-                # then the sum again (the others answer again as they did).
+                if self._made(top_calls, wait):
+                    # The sum was made (the driver owns it): the new leader
+                    # applies it; slices that already did answer as before.
+                    calls[g] = step_call(g, apply_only=True)
+                    return submit(g)
+                # It was not (the dead leader's tops died with it), so no
+                # slice applied: the new leader issues its part of step k
+                # again, and the sum is made again (the others answer again
+                # as they did).
                 tops[g] = restart(g)
                 raise _SumAgain()
 
             try:
-                replies = self._round({g: step_call(g) for g in range(len(groups))}, wait, groups, live,
-                                      on_death, top_calls, k)
+                replies = self._round(calls, wait, groups, live, on_death, top_calls, k)
             except _SumAgain:
                 continue
             again = {g: r[1] for g, r in replies.items() if r[0] == "reissued"}
@@ -290,6 +299,17 @@ class GroupedRunner:
             return StepResult(metrics, snaps())
         raise RunFailed(f"step {k}: the sum over the group leaders was made 3 times without taking",
                         setting="slices_per_leader")
+
+    def _made(self, top_calls: list, wait: _Deadline) -> bool:
+        """Whether the driver's top of the tree was made (its calls' small
+        status replies, waited for within the step's deadline)."""
+        refs = [ref for _, _, ref, _ in top_calls]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at - self._clock()))
+        try:
+            ray.get(done)
+        except rex.RayError:
+            return False
+        return len(done) == len(refs)
 
     def _ask_one(self, g: int, method: str, *args) -> list:
         """One leader's begin or finish, alone: its tops."""
