@@ -159,6 +159,7 @@ def test_resize_accumulate_matches_failure_free_run(nodes, lm_factory, baseline)
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
+@pytest.mark.slow  # the same run is tests/test_group_leaders_e2e.py's reference (README: Tests)
 def test_reduction_tree_pipelined_runs_through(nodes, lm_factory, monkeypatch):
     """The reduction tree, pipelined, on real slices, without failures: no
     step stalls. A worker hosting tree nodes has reduce and apply calls
