@@ -31,6 +31,7 @@ __all__ = [
     "InputsAborted",
     "InputsLost",
     "StepAborted",
+    "SumAgain",
 ]
 
 
@@ -193,3 +194,9 @@ class StepAborted(ElasticError):
 
     def __reduce__(self):
         return (type(self), (self.step,))
+
+
+class SumAgain(ElasticError):
+    """Internal to grouped_runner: a group leader died before the driver's
+    sum of the groups' gradients was made; its replacement issued its part
+    again, and the sum is made again. Never reaches the user."""

@@ -146,7 +146,7 @@ class GroupLeader:
             r = self.runner
             if self._kept is not None:
                 r._dropped += [(s, ref) for s, _, ref, _ in self._kept.grads]
-            self._kept = None
+            self._kept, self._done = None, None
             r.drop_ahead()
             r._settle(_Deadline(time.monotonic() + deadline_s, deadline_s), self.live)
             if forget:
@@ -160,7 +160,7 @@ class GroupLeader:
             r = self.runner
             if self._kept is not None:
                 r._dropped += [(s, ref) for s, _, ref, _ in self._kept.grads]
-            self._kept = None
+            self._kept, self._partial, self._done, self._holder = None, None, None, dict
             r.drop_ahead()
             r._settle(_Deadline(time.monotonic() + deadline_s, deadline_s), self.live)
             self._kept, self._from_finish = issue_subtrees(r, k, self.live, assignment, self._ranges,
@@ -173,12 +173,12 @@ class GroupLeader:
         applies itself (`driver_applies`: slice -> its hosts' apply refs),
         each taking a copy of `top` ([(key, ref)]); with `ahead`, step k+1's
         gradients and subtrees behind them. Answers ("ok", metrics, tops of
-        step k+1 or None), ("reissued", tops) when a call was re-issued and
-        the driver must sum again, ("aborted",), or ("failed", failure,
+        step k+1 or None), ("reissued", tops) when a gradient or subtree
+        call was re-issued and the driver must sum again, ("aborted",), or ("failed", failure,
         attrs) with attrs["phase"] "grads" or "apply"."""
         with self._lock:
             self._begin(call, epoch, k)
-            if self._done is not None and self._done[0] == k:
+            if self._done is not None and self._done[0] == (epoch, k):
                 return self._done[1]  # asked again (another leader was replaced): applies are idempotent
             pre = _Issued(k, dict(self.live), {}, [], {}, [], {0: []}) if apply_only else self._kept
             if pre is None or pre.step != k:
@@ -221,15 +221,19 @@ class GroupLeader:
                 self._kept = _Issued(k, dict(live), pre.assignment, [], pre.payloads, [], {0: tops})
                 self._drop(nxt)
                 return ("reissued", _tops(tops))
-            phase = "apply"
+            phase, reissued = "apply", r._reissued
             r._gather(copy, k, wait, live)
             if r._reissued != reissued:
-                self._drop(nxt)
-                return ("reissued", top)  # the applies hold the first copy's void ref: the same sum again
+                # The applies hold the first copy's void ref: issue them
+                # again on the new one (idempotent where one did apply).
+                applies, _ = r._issue_apply(k, mine, [boxes[0][1][0]], frozenset()) if mine else ([], None)
+                r._workers = {s: list(sl.workers) for s, sl in live.items()}
             metrics = r._gather(applies, k, wait, live)
             if r._reissued != reissued:
+                # The next step's calls wait on a first try: void. The
+                # driver issues that step anew (no tops for it).
                 self._drop(nxt)
-                return ("reissued", top)
+                nxt = None
         except StepAborted:
             self._drop(nxt)
             return ("aborted",)
@@ -239,9 +243,9 @@ class GroupLeader:
                 self._kept = None
                 self._partial = getattr(f, "partial", None)
             return _failed(f, phase)
-        self._kept, self._from_finish = nxt, False
+        self._kept, self._from_finish, self._partial, self._holder = nxt, False, None, dict
         reply = ("ok", metrics, None if nxt is None else _tops(nxt.tops[0]))
-        self._done = (k, reply)
+        self._done = ((self.runner._epoch, k), reply)
         return reply
 
     def _drop(self, nxt: Optional[_Issued]) -> None:
@@ -264,13 +268,13 @@ class GroupLeader:
             shards = [shard for lo, hi in self._ranges for shard in range(lo, hi)]
             pre, partial = self._kept, self._partial
             if partial is not None and partial.step == k:
-                kept, pending = {s: p for s, p in partial.payloads.items() if s in live}, partial.pending
-                held = {shard: kept[s][0] for s, sh in partial.assignment.items() if s in kept for shard in sh}
+                kept, pending, owned = ({s: p for s, p in partial.payloads.items() if s in live}, partial.pending,
+                                        partial.assignment)
             elif pre is not None and pre.step == k and pre.live.keys() == live.keys():
-                kept, pending = pre.payloads, pre.grads
-                held = {shard: kept[s][0] for s, sh in pre.assignment.items() for shard in sh}
+                kept, pending, owned = pre.payloads, pre.grads, pre.assignment
             else:
-                kept, pending, held = {}, [], {}
+                kept, pending, owned = {}, [], {}
+            held = {shard for s, sh in owned.items() if s in kept for shard in sh}
             r.drop_ahead()
             r._settle(wait, live)
             missing = [shard for shard in shards if shard not in held]
@@ -278,15 +282,16 @@ class GroupLeader:
             extra = {s: tuple(missing[i::len(order)]) for i, s in enumerate(order) if missing[i::len(order)]}
             issued, payloads = r._issue_grads(k, live, extra)
 
-            def holder() -> dict:  # read again after a re-issue, which replaces a payload's ref
-                return {**held, **{shard: payloads[s][0] for s, sh in extra.items() for shard in sh}}
+            def holder() -> dict:  # read anew after a re-issue, which replaces a payload's ref
+                mine = {shard: kept[s][0] for s, sh in owned.items() if s in kept for shard in sh}
+                return {**mine, **{shard: payloads[s][0] for s, sh in extra.items() for shard in sh}}
 
             self._holder = holder
             levels, tops = _subtrees(r, k, live, holder(), [], self._ranges, self._depth)
             grads = [c for c in pending if c[0] in live] + issued
             self._kept = _Issued(k, dict(live), {}, grads, {}, levels, {0: tops})
             self._from_finish, self._partial = True, None
-            return ("ok", _tops(tops))
+            return ("ok", _tops(tops), len(missing))
 
     def settle(self, epoch: int, timeout_s: float, slices: Optional[list], abort_waits: bool) -> None:
         """After a failure: StepRunner.settle_applies on this group's calls.

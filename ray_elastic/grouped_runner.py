@@ -34,7 +34,7 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.data import leader_groups
-from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure
+from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure, SumAgain
 from ray_elastic.failure_location import FailureLocator
 from ray_elastic.group_leader import GroupLeader
 from ray_elastic.step_runner import PartialStep, StepResult, StepRunner, _Deadline
@@ -48,6 +48,9 @@ log = logging.getLogger("ray_elastic")
 LEADER_GRACE_S = 30.0
 # Between two waits on the leaders' replies.
 POLL_S = 1.0
+# After a leader's death mid-step, how long to wait to see whether the
+# driver's sum was made.
+MADE_WAIT_S = 10.0
 
 
 class GroupedRunner:
@@ -64,6 +67,9 @@ class GroupedRunner:
         self.pipeline = True
         self.steps_ahead = 0  # steps whose gradient phase every leader had issued ahead
         self.leaders_replaced = 0
+        # After a leader died mid-step: how its replacement took over.
+        self.leader_restarts = {"applied_the_sum": 0, "issued_again": 0}
+        self.shards_recomputed = 0  # by finish, over the run (the lost slices' shards)
         self._leaders: list = []
         self._sent: list = []  # per leader: (its slices' LiveSlices, its ranges) as last sent, or None
         self._call = 0  # one id per round of calls, for calling a round off
@@ -112,10 +118,13 @@ class GroupedRunner:
         for g, part, ranges in changed:
             self._sent[g] = (part, ranges)
             try:
-                ray.get(self._leaders[g].set_live.remote(part, ranges, self.depth), timeout=60)
-            except rex.RayError as e:
+                ray.get(self._leaders[g].set_live.remote(part, ranges, self.depth), timeout=deadline_s + 60)
+            except (rex.RayActorError, rex.WorkerCrashedError) as e:
                 self._replace(g, e)
                 return self._sync(groups, live, deadline_s) or True
+            except rex.GetTimeoutError:
+                raise RunFailed(f"group leader {g} did not take its slices within {deadline_s + 60:.0f} s",
+                                setting="slices_per_leader") from None
         return True
 
     def _replace(self, g: int, cause: BaseException) -> None:
@@ -147,10 +156,14 @@ class GroupedRunner:
         out: dict = {}
         failures: list = []  # (rank, order, failure)
         retried: set = set()
+        off = []  # whether the round was called off
+        again = False  # a leader re-issued its gradient phase: the sum is void, and so is what waited on it
 
         def call_off() -> None:
-            for other in pending.values():
-                self._leaders[other].abort.remote(call)
+            if not off:
+                off.append(True)
+                for other in pending.values():
+                    self._leaders[other].abort.remote(call)
 
         while pending:
             remaining = wait.at + LEADER_GRACE_S - self._clock()
@@ -169,7 +182,16 @@ class GroupedRunner:
                     retried.add(g)
                     self._replace(g, e)
                     self._sync(groups, live)
-                    pending[on_death(g, submit)] = g
+                    try:
+                        pending[on_death(g, submit)] = g
+                    except SumAgain:
+                        # End the round: what the others answer still
+                        # counts if it is a failure of their own.
+                        call_off()
+                        self._drain(pending, failures, wait)
+                        if any(rank == 0 for rank, _, _ in failures):
+                            raise min(failures, key=lambda x: x[:2])[2] from None
+                        raise
                     continue
                 except rex.RayTaskError as e:  # a leader's own error: a defect, not a slice's failure
                     raise RunFailed(f"group leader {g}: {e}", setting="slices_per_leader") from None
@@ -180,9 +202,9 @@ class GroupedRunner:
                     f.leader_partial = attrs.get("partial", False)
                     grads = attrs.get("phase") == "grads"
                     failures.append((0 if grads else 2, len(failures), f))
-                    if grads and len(failures) == 1:
+                    if grads:
                         call_off()
-                    elif not grads and top_calls:
+                    elif not grads and top_calls and not again:
                         top = self._top_failure(top_calls, k, live)
                         if top is not None:
                             failures.append((1, len(failures), top))
@@ -190,12 +212,32 @@ class GroupedRunner:
                         top_calls = None
                 elif reply[0] in ("ok", "reissued"):
                     out[g] = reply
+                    if reply[0] == "reissued" and not again:
+                        again = True
+                        call_off()  # their copies wait on a void sum
+        if again:  # only a gradient phase's failure is a failure of its own
+            failures = [x for x in failures if x[0] == 0]
         if failures:
             raise min(failures, key=lambda x: x[:2])[2]
+        if again:
+            return {g: r for g, r in out.items() if r[0] == "reissued"}
         if len(out) != len(calls):  # called off with no failure seen: never apply a partial sum
             raise RunFailed(f"group leaders {sorted(set(calls) - set(out))} gave up a step that did not "
                             "fail", setting="slices_per_leader")
         return out
+
+    def _drain(self, pending: dict, failures: list, wait: _Deadline) -> None:
+        """The replies of a round that was called off: its failures."""
+        refs = list(pending)
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at + LEADER_GRACE_S - self._clock()))
+        for ref in done:
+            try:
+                reply = ray.get(ref)
+            except rex.RayError:
+                continue
+            if reply[0] == "failed":
+                failures.append((0 if reply[2].get("phase") == "grads" else 2, len(failures), reply[1]))
+        pending.clear()
 
     def _top_failure(self, top_calls: list, k: int, live: Mapping) -> Optional[SliceFailure]:
         """Whether the driver's own top of the tree failed (a reducer lost):
@@ -272,18 +314,20 @@ class GroupedRunner:
                 if self._made(top_calls, wait):
                     # The sum was made (the driver owns it): the new leader
                     # applies it; slices that already did answer as before.
+                    self.leader_restarts["applied_the_sum"] += 1
                     calls[g] = step_call(g, apply_only=True)
                     return submit(g)
+                self.leader_restarts["issued_again"] += 1
                 # It was not (the dead leader's tops died with it), so no
                 # slice applied: the new leader issues its part of step k
                 # again, and the sum is made again (the others answer again
                 # as they did).
                 tops[g] = restart(g)
-                raise _SumAgain()
+                raise SumAgain()
 
             try:
                 replies = self._round(calls, wait, groups, live, on_death, top_calls, k)
-            except _SumAgain:
+            except SumAgain:
                 continue
             again = {g: r[1] for g, r in replies.items() if r[0] == "reissued"}
             if again:
@@ -294,7 +338,7 @@ class GroupedRunner:
                 metrics.update(r[1])
             if ran_ahead:
                 self.steps_ahead += 1
-            if nxt_parts is not None:
+            if nxt_parts is not None and all(r[2] is not None for r in replies.values()):
                 self._next = (k + 1, nxt_parts, {g: r[2] for g, r in replies.items()})
             return StepResult(metrics, snaps())
         raise RunFailed(f"step {k}: the sum over the group leaders was made 3 times without taking",
@@ -302,9 +346,11 @@ class GroupedRunner:
 
     def _made(self, top_calls: list, wait: _Deadline) -> bool:
         """Whether the driver's top of the tree was made (its calls' small
-        status replies, waited for within the step's deadline)."""
+        status replies, waited for up to MADE_WAIT_S). One still coming is
+        taken as not made: the group is then issued again, which is safe
+        while no slice could apply (no apply runs before the sum)."""
         refs = [ref for _, _, ref, _ in top_calls]
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at - self._clock()))
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(MADE_WAIT_S, wait.at - self._clock())))
         try:
             ray.get(done)
         except rex.RayError:
@@ -314,7 +360,11 @@ class GroupedRunner:
     def _ask_one(self, g: int, method: str, *args) -> list:
         """One leader's begin or finish, alone: its tops."""
         self._call += 1
-        reply = ray.get(getattr(self._leaders[g], method).remote(self._call, self._epoch, *args), timeout=120)
+        try:
+            reply = ray.get(getattr(self._leaders[g], method).remote(self._call, self._epoch, *args), timeout=120)
+        except rex.RayError as e:
+            raise RunFailed(f"group leader {g}, started to replace a lost one, failed its {method}: {e}",
+                            setting="slices_per_leader") from None
         return reply[1]
 
     def _issue_top(self, k: int, live: Mapping, tops: list) -> tuple[list, list]:
@@ -345,6 +395,7 @@ class GroupedRunner:
         calls = {g: ("finish", (k, deadline_s)) for g in range(len(groups))}
         replies = self._round(calls, wait, groups, live, lambda g, submit: submit(g))
         tops = {g: r[1] for g, r in replies.items()}
+        self.shards_recomputed += sum(r[2] for r in replies.values())
         self._fresh = True
         return self._step_round(k, live, groups, tops, takers, wait, None, False,
                                 lambda g: self._ask_one(g, "finish", k, deadline_s))
@@ -378,7 +429,3 @@ class GroupedRunner:
             except Exception:
                 pass
         self._leaders, self._sent = [], []
-
-
-class _SumAgain(Exception):
-    """A leader was replaced mid-step: its part was issued anew, sum again."""
