@@ -14,9 +14,11 @@ first state load), kill its worker, start it again. The first start of
 each variant (a cold compile cache, a new placement group) is left out of
 the medians.
 
-Phases (seconds, `SliceWorker._phases`): process_start, actor_load, queue,
-imports, jax_init, program_build, initial_state, compile, report (set-up
-done to the driver seeing it; this bench polls every 20 ms), then
+Phases (seconds, `readiness.readiness_phases`): process_start, actor_load
+and args_load in a process started for the worker, or warm_process in one
+started ahead (the warm pool's); then queue, imports, jax_init,
+program_build, initial_state, compile, report (set-up done to the driver
+seeing it; this bench polls every 20 ms), then
 first_state (`load_state` of the snapshot, round trip from the driver).
 `ready` is placement to set-up seen by the driver (SliceUp.setup_s), and
 `ready + first_state` the whole way to a slice that can train.
@@ -45,7 +47,7 @@ import time
 
 from bench.common import lm_factory
 
-PHASES = ("process_start", "actor_load", "args_load", "queue", "imports", "jax_init", "program_build", "initial_state",
+PHASES = ("process_start", "actor_load", "args_load", "warm_process", "queue", "imports", "jax_init", "program_build", "initial_state",
           "compile", "report", "first_state")
 VARIANTS = ("before", "default", "no_warm", "no_cache")
 TARGET_S = 3.0

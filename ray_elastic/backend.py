@@ -18,9 +18,10 @@ class SliceUp:
 
     slice_id: int
     setup_s: float
-    # Seconds per part of setup_s (process_start, actor_load, queue,
-    # imports, jax_init, program_build, initial_state, compile, report:
-    # see SliceWorker._phases); empty where the backend does not time them.
+    # Seconds per part of setup_s (process_start, actor_load, args_load,
+    # or warm_process in a process started ahead; queue, imports,
+    # jax_init, program_build, initial_state, compile, report: see
+    # readiness.readiness_phases); empty where the backend does not time them.
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 

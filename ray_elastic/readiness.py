@@ -7,21 +7,34 @@ import os
 import time
 from typing import Optional
 
-__all__ = ["readiness_phases"]
+__all__ = ["phase_seconds", "readiness_phases"]
 
 
-def readiness_phases(created_at: Optional[float], module_at: float, init_at: float, marks: list) -> dict:
+def readiness_phases(created_at: Optional[float], module_at: float, init_at: float, marks: list,
+                     process_at: Optional[float] = None) -> dict:
     """Seconds per readiness phase, in order (`marks`: (name, wall time)
-    from the start of set-up on; the other times wall clock too):
+    from the start of set-up on; the other times wall clock too;
+    `process_at`: when this process started, read from the kernel when
+    not given). Every phase is a duration >= 0. The first ones depend on
+    the process the actor landed in:
 
-    - process_start: the driver creating the actor to this process
-      existing (negative: Ray reused or prestarted the process);
-    - actor_load: the process existing (or the creation, if later) to
-      this module imported: Python and Ray's worker starting, the
-      actor's class loaded;
-    - args_load: the constructor's arguments unpickled (the program
-      factory: its module's imports, jax, flax and optax for the
-      example) to the constructor running;
+    - a process started for this actor (after its creation):
+      - process_start: the driver creating the actor to this process
+        existing;
+      - actor_load: the process existing to this module imported:
+        Python and Ray's worker starting, the actor's class loaded;
+      - args_load: the constructor's arguments unpickled (the program
+        factory: its module's imports, jax, flax and optax for the
+        example) to the constructor running;
+    - a process started before the actor's creation (a warm pool's
+      process, warm_pool.py, or another idle one Ray kept):
+      - warm_process: the driver creating the actor, which takes the
+        process, to the constructor running: Ray handing the process the
+        actor, its class and arguments loaded (what the warm pool
+        imported ahead is not imported again);
+
+    then, in every process:
+
     - queue: the constructor to `setup` starting (the calls before it);
     - imports: jax and optax (the program's own, e.g. flax, count in
       program_build);
@@ -32,21 +45,34 @@ def readiness_phases(created_at: Optional[float], module_at: float, init_at: flo
       RAY_ELASTIC_EAGER_SETUP=1, as before: here);
     - compile: the step's functions (grad, update, flatten), ahead of
       time, through the persistent compile cache when it is set.
+
+    The creation is read on the driver's clock and the rest on the
+    worker's: on two machines they agree only to NTP's precision, so a
+    difference between them that comes out below zero counts as 0.
     """
     out: dict = {}
-    proc_at = _process_started_at()
+    proc_at = _process_started_at() if process_at is None else process_at
     if created_at is not None:
-        start = created_at
-        if proc_at is not None:
-            out["process_start"] = round(proc_at - created_at, 4)
-            start = max(proc_at, created_at)
-        loaded = max(module_at, start)
-        out["actor_load"] = round(loaded - start, 4)
-        out["args_load"] = round(init_at - loaded, 4)
-    out["queue"] = round(marks[0][1] - init_at, 4)
+        if proc_at is not None and proc_at < created_at:
+            out["warm_process"] = phase_seconds(created_at, init_at)
+        else:
+            start = created_at if proc_at is None else proc_at
+            if proc_at is not None:
+                out["process_start"] = phase_seconds(created_at, proc_at)
+            loaded = max(module_at, start)
+            out["actor_load"] = phase_seconds(start, loaded)
+            out["args_load"] = phase_seconds(loaded, init_at)
+    out["queue"] = phase_seconds(init_at, marks[0][1])
     for (_, a), (name, b) in zip(marks, marks[1:]):
-        out[name] = round(b - a, 4)
+        out[name] = phase_seconds(a, b)
     return out
+
+
+def phase_seconds(start: float, end: float) -> float:
+    """A readiness phase: seconds from `start` to `end` (wall clock),
+    rounded; 0 where a clock step, or two machines' clocks, put `end`
+    first."""
+    return round(max(0.0, end - start), 4)
 
 
 def _process_started_at() -> Optional[float]:

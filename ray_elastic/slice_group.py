@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.config import CpuSlice, GpuSlice, SliceSpec, TpuSlice
 from ray_elastic.program import TrainProgram
+from ray_elastic.readiness import phase_seconds
 from ray_elastic.warm_pool import hook_env
 from ray_elastic.worker import SliceWorker
 
@@ -258,14 +259,16 @@ class RaySlices:
 def _phases(setups: list) -> dict:
     """The slice's readiness phases from its hosts' set-up results: per
     phase the largest over the hosts, and `report` (the last host done to
-    now, on the wall clock)."""
+    now, on the wall clock). A slice whose hosts started some in warm
+    processes and some in new ones carries the phases of both kinds
+    (`warm_process`; `process_start`, `actor_load`, `args_load`)."""
     out: dict = {}
     for r in setups:
         for k, v in (r or {}).get("phases", {}).items():
             out[k] = max(out.get(k, v), v)
     done = [r["ready_at"] for r in setups if r and "ready_at" in r]
     if done:
-        out["report"] = round(time.time() - max(done), 4)
+        out["report"] = phase_seconds(max(done), time.time())  # the worker's clock, then the driver's
     return out
 
 

@@ -149,10 +149,16 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
         os.kill(worker_pid, signal.SIGKILL)
         _wait(lambda: not os.path.exists(f"/proc/{worker_pid}"), 30)
         replacement = _up(slices)
-        # The replacement is that process: created after it started, its
-        # class's module loaded before its creation.
+        # The replacement is that process, started before its creation:
+        # its readiness names the warm process's taking, and every phase
+        # is a duration (no negative start from the process's age).
         assert replacement.infos[0]["pid"] == warm[0]
-        assert replacement.phases["process_start"] < 0 and replacement.phases["actor_load"] == 0
+        assert "warm_process" in replacement.phases, replacement.phases
+        assert not {"process_start", "actor_load", "args_load"} & set(replacement.phases), replacement.phases
+        assert all(v >= 0 for v in replacement.phases.values()), replacement.phases
+        # The first worker started cold, in a process of its own.
+        assert "process_start" in live.phases and "warm_process" not in live.phases, live.phases
+        assert all(v >= 0 for v in live.phases.values()), live.phases
         # ... and it asked for the next one: one idle process again, not two.
         nxt = _wait(lambda: [p for p, jax in _warm_processes({worker_pid, warm[0]}, tag).items() if jax])
         time.sleep(1.0)
