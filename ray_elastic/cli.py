@@ -1,8 +1,9 @@
 """`ray-elastic`: the command line.
 
-    ray-elastic demo [--policy resize|pause] [--slices N] [--steps N]
+    ray-elastic [--debug] demo [--policy resize|pause] [--slices N] [--steps N]
+                     [--model small|medium|large] [--sharding replicated|fsdp|fsdp_tp]
                      [--fail-at STEP] [--fault remove_node|kill|stop]
-                     [--report FILE] [--events FILE]
+                     [--report FILE] [--events FILE] ...
     ray-elastic timeline EVENTS.jsonl [-o OUT.png]
     ray-elastic timeline --report REPORT.json [-o OUT.png]
     ray-elastic checkpoints PATH [--verify [--mark-damaged]] [--json]
@@ -15,12 +16,17 @@ live progress line). Its metrics go to Ray's metrics system
 (`ray_elastic.metrics`); `--events` writes the timeline as JSON lines.
 
 `timeline` draws a run's events file or report as a PNG.
+
+An error is one line on stderr, `ray-elastic: error: MESSAGE`: exit code 2
+for a bad setting (found before any cluster starts), 1 for a run or a
+storage that failed; `--debug` or RAY_ELASTIC_DEBUG=1 adds the traceback.
+The demo's options that the job driver examples/train_lm.py has too are
+defined once, in cli_options.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import os
@@ -72,31 +78,30 @@ class _RayOutputToFile:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ray_elastic import CpuSlice, ElasticConfig, Fault
+    from ray_elastic import CpuSlice, Fault
+    from ray_elastic.checkpoint import CheckpointConfig
+    from ray_elastic.cli_options import elastic_config, example_program
+    from ray_elastic.faults import check_faults
     from ray_elastic.local_cluster import LocalCluster
 
-    config = ElasticConfig(
-        num_slices=args.slices,
-        slice=CpuSlice(hosts=args.hosts_per_slice, devices_per_host=args.devices_per_host),
-        policy=args.policy,
-        min_slices=1 if args.policy == "resize" else None,
-        timeout_s=args.timeout,
-        step_deadline_floor_s=args.hang_floor,
-        spare_slices=args.spare_slices,
-    )  # validated here, before any process or node is started
-    from ray_elastic.checkpoint import CheckpointConfig
-
-    checkpoint = CheckpointConfig(args.checkpoint, save_every=args.save_every) if args.checkpoint else None
+    # Every setting is checked here, before any process or node is started:
+    # a bad one is a ConfigError, which `main` prints as one line.
+    spec = CpuSlice(hosts=args.hosts_per_slice, devices_per_host=args.devices_per_host)
+    config = elastic_config(args, spec)
     fail_at = args.steps // 4 if args.fail_at is None else args.fail_at
     faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at),)
+    check_faults(faults, config.num_slices, spec.hosts)
     # The example model ships in the package (pyproject.toml maps examples/
     # to ray_elastic.examples), so workers import it like any installed code.
     from ray_elastic.examples import lm
 
-    layout = lm.Layout() if args.sharding == "replicated" else lm.sharded_layout(args.sharding)
-    # The mesh must fit a slice's devices: checked before the cluster starts.
-    layout.plan(args.hosts_per_slice * args.devices_per_host)
-    factory = functools.partial(lm.make_program, lm.PRESETS[args.model], layout)
+    program = example_program(lm, args, spec)  # its mesh must fit a slice's devices
+    checkpoint = CheckpointConfig(args.checkpoint, save_every=args.save_every) if args.checkpoint else None
+    if checkpoint is not None:
+        checkpoint.check_storage()  # there and writable, before the cluster
+    for option, path in (("--report", args.report), ("--events", args.events)):
+        _check_output_file(option, path)
+    print(f"training the example LM: {program.describe()}", flush=True)
 
     num_nodes = (args.slices + args.spare_slices) * args.hosts_per_slice
     print(f"starting a local Ray cluster: head + {num_nodes} nodes", flush=True)
@@ -111,11 +116,25 @@ def _demo(args: argparse.Namespace) -> int:
             logs = cluster.logs_dir
             print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", file=console.out)
             print(f"Ray's own logs: {logs} (what Ray printed here: {own})", file=console.out)
-            rc = _run_demo(args, cluster, config, checkpoint, faults, factory, console)
+            rc = _run_demo(args, cluster, config, checkpoint, faults, program.factory, console)
             print(f"  Ray's logs: {logs} (what Ray printed here: {own})", file=console.out)
             return rc
         finally:
             cluster.shutdown()  # Ray prints as it stops: still into the file
+
+
+def _check_output_file(option: str, path) -> None:
+    """A file the demo writes as it runs or at its end: its folder must
+    exist now, not only when the run is over."""
+    from ray_elastic.errors import ConfigError
+
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ConfigError(option, f"cannot write {path}: folder {folder} does not exist")
+    if os.path.isdir(path):
+        raise ConfigError(option, f"cannot write {path}: it is a folder")
 
 
 def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int:
@@ -217,35 +236,37 @@ def _timeline(args: argparse.Namespace) -> int:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     """List a run's checkpoint steps, committed or not; with --verify, read
-    and check every committed one (exit 1 if any step is damaged)."""
+    and check every committed one (exit 1 if any step is damaged). A path
+    that names nothing (no such folder; on GCS, no such bucket) is an error
+    (exit 2); an existing folder, or a GCS prefix, with no steps under it
+    lists none; storage that cannot be read is an error (exit 1)."""
     import dataclasses
     import datetime
 
-    from ray_elastic.checkpoint import CheckpointStore, StorageError, integrity
-    from ray_elastic.errors import CheckpointDamaged
+    from ray_elastic.checkpoint import CheckpointStore, integrity
+    from ray_elastic.errors import CheckpointDamaged, ConfigError
 
     store = CheckpointStore(args.path)
-    try:
-        store.preflight() if args.check else None
-        steps = store.steps(sizes=True)
-        # Per step: (check, problem). Steps moved aside earlier carry
-        # their note; with --verify every committed step is read in full.
-        checks = {}
-        for s in steps:
-            if s.damaged:
-                note = integrity.read_marker(args.path, s.name)
-                checks[s.name] = ("DAMAGED", f"{note.get('file', '?')}: {note.get('reason', 'no note')}")
-            elif args.verify and s.committed:
-                try:
-                    checks[s.name] = ("ok", store.verify(s.step))
-                except CheckpointDamaged as d:
-                    checks[s.name] = ("DAMAGED", f"{d.file}: {d.reason}")
-                    if args.mark_damaged:
-                        moved = store.mark_damaged(d)["moved_to"]
-                        checks[moved or s.name] = checks.pop(s.name)
-    except StorageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    missing = store.missing()
+    if missing:
+        raise ConfigError("checkpoint.path", missing)
+    store.preflight() if args.check else None
+    steps = store.steps(sizes=True)
+    # Per step: (check, problem). Steps moved aside earlier carry their
+    # note; with --verify every committed step is read in full.
+    checks = {}
+    for s in steps:
+        if s.damaged:
+            note = integrity.read_marker(args.path, s.name)
+            checks[s.name] = ("DAMAGED", f"{note.get('file', '?')}: {note.get('reason', 'no note')}")
+        elif args.verify and s.committed:
+            try:
+                checks[s.name] = ("ok", store.verify(s.step))
+            except CheckpointDamaged as d:
+                checks[s.name] = ("DAMAGED", f"{d.file}: {d.reason}")
+                if args.mark_damaged:
+                    moved = store.mark_damaged(d)["moved_to"]
+                    checks[moved or s.name] = checks.pop(s.name)
     if args.mark_damaged:
         steps = store.steps(sizes=True)
     damaged = sorted({int(name.split(".")[0]) for name, (check, _) in checks.items() if check == "DAMAGED"})
@@ -283,41 +304,24 @@ def _human(n: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ray-elastic", description=__doc__.split("\n\n")[0])
+    from ray_elastic.cli_options import DEBUG_ENV, add_debug_option, add_shared_options
+
+    parser = argparse.ArgumentParser(
+        prog="ray-elastic", description=__doc__.split("\n\n")[0],
+        epilog=f"A bad setting prints one line, `ray-elastic: error: SETTING: PROBLEM`, and exits 2; a run that "
+        f"fails exits 1. --debug (before or after the command) or {DEBUG_ENV}=1 also prints the traceback.",
+    )
+    add_debug_option(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the example LM on a local cluster through a failure")
+    add_shared_options(demo, steps=400, timeout_s=120.0)
     opt = demo.add_argument
-    opt("--policy", choices=("resize", "pause"), default="resize",
-        help="resize: train on the survivors at once; pause: wait for the replacement (default: %(default)s)")
-    opt("--slices", type=int, default=2, help="slices, one simulated node per host (default: %(default)s)")
-    opt("--hosts-per-slice", type=int, default=1, help="hosts (Ray nodes) in each slice (default: %(default)s)")
-    opt("--devices-per-host", type=int, default=1,
-        help="XLA CPU devices in each host's process (default: %(default)s)")
-    opt("--sharding", choices=("replicated", "fsdp", "fsdp_tp"), default="replicated",
-        help="the state's layout in a slice: replicated on every device, FSDP over all of them, or FSDP x "
-        "tensor parallel (2) (default: %(default)s)")
-    opt("--model", choices=("small", "medium", "large"), default="small",
-        help="the example LM's size: small 0.1M, medium 3.2M, large 25M parameters (default: %(default)s)")
-    opt("--spare-slices", type=int, default=0,
-        help="spare_slices: hot standby slices, started and compiled ahead, that take a failed slice's place "
-        "(default: %(default)s)")
-    opt("--steps", type=int, default=400, help="training steps (default: %(default)s)")
     opt("--fail-at", type=int, default=None, help="step of the fault; -1: no fault (default: steps/4)")
     opt("--fail-slice", type=int, default=1, help="slice the fault hits (default: %(default)s)")
     opt("--fault", choices=("remove_node", "kill", "stop"), default="remove_node",
         help="remove_node: the node and its processes go; kill: SIGKILL a worker; "
         "stop: SIGSTOP a worker, a hang (default: %(default)s)")
-    opt("--timeout", type=float, default=120.0,
-        help="timeout_s: seconds to wait for a replacement before failing (default: %(default)s)")
-    opt("--hang-floor", type=float, default=10.0,
-        help="step_deadline_floor_s: a step slower than this is a hang (default: %(default)s)")
-    opt("--log-every", type=int, default=50,
-        help="steps between progress lines when not in a terminal (default: %(default)s)")
-    opt("--report", default=None, help="write the run report as JSON to this file (default: none)")
-    opt("--events", default=None, help="write the timeline as JSON lines to this file, as it happens (default: none)")
-    opt("--checkpoint", default=None,
-        help="checkpoint.path: a folder or gs://bucket/prefix for durable checkpoints (default: none, snapshots only)")
-    opt("--save-every", type=int, default=100, help="checkpoint.save_every, in steps (default: %(default)s)")
+    add_debug_option(demo, default=argparse.SUPPRESS)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoint steps, committed or not")
     ck.add_argument("path", help="checkpoint.path: a folder or gs://bucket/prefix")
     ck.add_argument("--json", action="store_true", help="print JSON instead of a table (default: off)")
@@ -328,25 +332,28 @@ def build_parser() -> argparse.ArgumentParser:
     ck.add_argument("--mark-damaged", action="store_true",
                     help="with --verify: move damaged steps aside as STEP.damaged, so no restore (ours or "
                     "plain Orbax) picks them (default: off)")
+    add_debug_option(ck, default=argparse.SUPPRESS)
     tl = sub.add_parser("timeline", help="draw a run's events file or report as a PNG")
     tl.add_argument("events", nargs="?", default=None, help="events file (JSON lines, from demo --events / EventLog)")
     tl.add_argument("--report", default=None, help="a run report JSON (demo --report) instead of an events file (default: none)")
     tl.add_argument("-o", "--output", default=None, help="PNG to write (default: the input's name with .png)")
     tl.add_argument("--title", default=None, help="the chart's title (default: policy, slices, steps and goodput)")
+    add_debug_option(tl, default=argparse.SUPPRESS)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ray_elastic.cli_options import debugging, report_error
+    from ray_elastic.errors import ElasticError
+
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "demo":
-        return _demo(args)
-    if args.command == "timeline":
-        return _timeline(args)
-    if args.command == "checkpoints":
-        return _checkpoints(args)
-    return 2
+    command = {"demo": _demo, "timeline": _timeline, "checkpoints": _checkpoints}[args.command]
+    try:
+        return command(args)
+    except ElasticError as e:  # a bad setting, a failed run, storage: its message, not a traceback
+        return report_error(parser.prog, e, debug=debugging(args))
 
 
 if __name__ == "__main__":

@@ -45,6 +45,11 @@ class CpuSlice:
         _positive_int("slice.cpus_per_host", self.cpus_per_host)
         _positive_int("slice.devices_per_host", self.devices_per_host)
 
+    @property
+    def devices(self) -> int:
+        """JAX devices in one slice: hosts x devices per host."""
+        return self.hosts * self.devices_per_host
+
     def bundles(self) -> list[dict[str, float]]:
         return [{"CPU": float(self.cpus_per_host)} for _ in range(self.hosts)]
 
@@ -67,6 +72,11 @@ class GpuSlice:
         _positive_int("slice.hosts", self.hosts)
         _positive_int("slice.gpus_per_host", self.gpus_per_host)
         _positive_int("slice.cpus_per_host", self.cpus_per_host)
+
+    @property
+    def devices(self) -> int:
+        """JAX devices in one slice: hosts x GPUs per host."""
+        return self.hosts * self.gpus_per_host
 
     def bundles(self) -> list[dict[str, float]]:
         one = {"CPU": float(self.cpus_per_host), "GPU": float(self.gpus_per_host)}
@@ -127,6 +137,12 @@ class TpuSlice:
     @property
     def hosts(self) -> int:
         return self._worker_resources[0]
+
+    @property
+    def devices(self) -> int:
+        """JAX devices in one slice: its TPU chips, from Ray's tables."""
+        n, resources = self._worker_resources
+        return n * int(resources.get("TPU", 0))
 
     def bundles(self) -> list[dict[str, float]]:
         n, resources = self._worker_resources

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 from ray_elastic.errors import ConfigError
 
-__all__ = ["Fault", "FaultInjector", "FAULT_KINDS"]
+__all__ = ["Fault", "FaultInjector", "FAULT_KINDS", "check_faults"]
 
 FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node")
 
@@ -49,6 +49,19 @@ class Fault:
             raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST]")
         kind, *nums = parts
         return cls(kind, *[int(n) for n in nums])
+
+
+def check_faults(faults, num_slices: int, hosts_per_slice: int) -> None:
+    """Every fault names a slice and a host the run has: a ConfigError
+    naming `faults` otherwise. Needs no cluster, so a command line checks
+    its faults before it starts one."""
+    for f in faults:
+        if f.slice_id >= num_slices:
+            raise ConfigError("faults", f"{f} names slice {f.slice_id}, but num_slices={num_slices} "
+                              f"(slices 0 to {num_slices - 1})")
+        if f.host >= hosts_per_slice:
+            raise ConfigError("faults", f"{f} names host {f.host}, but a slice has {hosts_per_slice} "
+                              f"host{'s' if hosts_per_slice != 1 else ''} (hosts 0 to {hosts_per_slice - 1})")
 
 
 @dataclasses.dataclass

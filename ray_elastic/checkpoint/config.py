@@ -6,7 +6,7 @@ import dataclasses
 import os
 import tempfile
 
-from ray_elastic.errors import ConfigError
+from ray_elastic.errors import ConfigError, StorageError
 
 __all__ = ["CheckpointConfig"]
 
@@ -59,6 +59,18 @@ class CheckpointConfig:
             raise ConfigError("checkpoint.save_timeout_s", f"must be > 0, got {self.save_timeout_s!r}")
         if not isinstance(self.retry_backoff_s, (int, float)) or self.retry_backoff_s < 0:
             raise ConfigError("checkpoint.retry_backoff_s", f"must be >= 0, got {self.retry_backoff_s!r}")
+
+    def check_storage(self, timeout_s: float = 30.0) -> None:
+        """Prove `path` writable (on GCS: its bucket exists and answers)
+        without a cluster, the first thing a run's own preflight does: a
+        ConfigError naming checkpoint.path otherwise, after at most
+        `timeout_s`. A command line that starts a cluster calls it first."""
+        from ray_elastic.checkpoint.store import CheckpointStore
+
+        try:
+            CheckpointStore(self.path).preflight(timeout_s)
+        except StorageError as e:
+            raise ConfigError("checkpoint.path", str(e).removeprefix("checkpoint.path: ")) from None
 
     def due(self, step: int) -> bool:
         return bool(self.save_every) and step % self.save_every == 0

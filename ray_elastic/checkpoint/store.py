@@ -105,21 +105,9 @@ class CheckpointStore:
         """Prove the path is writable before anything is reserved."""
 
         def probe():
-            if self.path.startswith("gs://"):
-                import gcsfs
-
-                bucket = self.path[len("gs://"):].split("/")[0]
-                fs = gcsfs.GCSFileSystem()
-                try:
-                    if not fs.exists(bucket):
-                        raise StorageError(
-                            f"checkpoint.path: bucket gs://{bucket} does not exist (or is not visible "
-                            "with these credentials). Create it or point checkpoint.path elsewhere."
-                        )
-                except StorageError:
-                    raise
-                except Exception as e:
-                    raise StorageError(f"checkpoint.path: cannot reach gs://{bucket}: {e}") from None
+            problem = self._bucket_missing()
+            if problem:
+                raise StorageError(f"checkpoint.path: {problem}. Create it or point checkpoint.path elsewhere.")
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 probe = self.dir / ".ray_elastic_write_probe"
@@ -131,6 +119,40 @@ class CheckpointStore:
                 raise StorageError(f"checkpoint.path: cannot write to {self.path}: {type(e).__name__}: {e}") from None
 
         _bounded(probe, timeout_s, f"checkpoint.path {self.path}")
+
+    def missing(self, timeout_s: float = 30.0) -> Optional[str]:
+        """What is missing for the path to be listed, None when nothing is:
+        a local path must be an existing folder; on GCS, which has no
+        folders, the bucket must exist, and a prefix with nothing under it
+        is an empty folder. Raises StorageError when the storage does not
+        answer."""
+
+        def look() -> Optional[str]:
+            if self.path.startswith("gs://"):
+                return self._bucket_missing()
+            if not self.dir.exists():
+                return f"{self.path} does not exist"
+            if not self.dir.is_dir():
+                return f"{self.path} is not a folder"
+            return None
+
+        return _bounded(look, timeout_s, f"checkpoint.path {self.path}")
+
+    def _bucket_missing(self) -> Optional[str]:
+        """On GCS: why the path's bucket cannot be used (it does not exist),
+        None when it can or the path is not on GCS; StorageError when GCS
+        cannot be reached."""
+        if not self.path.startswith("gs://"):
+            return None
+        import gcsfs
+
+        bucket = self.path[len("gs://"):].split("/")[0]
+        try:
+            if gcsfs.GCSFileSystem().exists(bucket):
+                return None
+        except Exception as e:
+            raise StorageError(f"checkpoint.path: cannot reach gs://{bucket}: {e}") from None
+        return f"bucket gs://{bucket} does not exist (or is not visible with these credentials)"
 
     def _fresh_listing(self) -> None:
         if self.path.startswith("gs://"):
