@@ -332,6 +332,20 @@ def _assert_trained_through(logs: str, steps: int, at_step: int | None = None) -
     assert re.search(rf"^done: {steps} steps, final loss [\d.]+, driver pid \d+$", logs, re.M), logs[-5000:]
 
 
+def _assert_readiness_phases(logs: str) -> None:
+    """Every slice_ready event's phases are durations >= 0; a worker
+    process of its own reports its start, one started ahead (the warm
+    pool's) its taking, `warm_process`."""
+    import json
+
+    ready = [json.loads(m) for m in re.findall(r"^\[\s*[\d.]+ s\] slice_ready (\{.*\})$", logs, re.M)]
+    assert ready, logs[-5000:]
+    for e in ready:
+        phases = e["phases"]
+        assert all(v >= 0 for v in phases.values()), e
+        assert "process_start" in phases or "warm_process" in phases, e
+
+
 def test_job_with_injected_fault_recovers(ray_cluster):
     steps = 150
     job_id = _submit(ray_cluster, "--slices", "2", "--policy", "resize", "--steps", str(steps),
@@ -340,6 +354,25 @@ def test_job_with_injected_fault_recovers(ray_cluster):
     logs = _logs(ray_cluster, job_id)
     assert status == "SUCCEEDED", logs[-5000:]
     _assert_trained_through(logs, steps, at_step=40)
+    _assert_readiness_phases(logs)
+
+
+def test_sharded_job_trains_in_its_layout(ray_cluster):
+    """The job driver takes the demo's model and layout options: FSDP over
+    the 2 XLA devices of each 1-host slice, the small model, a short run
+    with no fault."""
+    steps = 20
+    job_id = _submit(ray_cluster, "--slices", "2", "--sharding", "fsdp", "--devices-per-host", "2",
+                     "--model", "small", "--steps", str(steps), "--log-every", "10")
+    status = _wait_for(ray_cluster, job_id, timeout=200)
+    logs = _logs(ray_cluster, job_id)
+    assert status == "SUCCEEDED", logs[-5000:]
+    layout = "training the example LM: model small, layout fsdp (mesh data=1 x fsdp=2 x tensor=1 over 2 devices per slice)"
+    assert re.search(rf"^{re.escape(layout)}$", logs, re.M), logs[-5000:]
+    assert re.search(r"^\[\s*[\d.]+ s\] slice_ready ", logs, re.M), logs[-5000:]
+    assert not re.search(r"^\[\s*[\d.]+ s\] detected ", logs, re.M), logs[-5000:]
+    assert re.search(rf"^step 10/{steps} loss [\d.]+ slices 2$", logs, re.M), logs[-5000:]
+    assert re.search(rf"^done: {steps} steps, final loss [\d.]+, driver pid \d+$", logs, re.M), logs[-5000:]
 
 
 def _slice_worker_pid(cluster: RayStartCluster, slice_id: int) -> int:
