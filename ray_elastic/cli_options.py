@@ -18,7 +18,7 @@ import dataclasses
 import os
 import sys
 import traceback
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 from ray_elastic.errors import ConfigError, ElasticError, RunFailed
 
@@ -27,6 +27,7 @@ __all__ = [
     "ExampleProgram",
     "add_debug_option",
     "add_shared_options",
+    "check_devices_option",
     "debugging",
     "elastic_config",
     "example_program",
