@@ -41,7 +41,7 @@ import threading
 import time
 from typing import Callable, Optional, Sequence
 
-from bench.common import DaemonCpu, ExternalNodes, ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
+from bench.common import DaemonCpu, ensure_nodes, idle_cpu_load, lm_factory, steady_step_time, summary
 
 SYSTEMS = ("ray_elastic-pause", "ray_elastic-pause-spare", "ray_elastic-resize", "raytrain", "raytrain-elastic",
            "full-restart")
@@ -238,7 +238,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
     factory = factory or lm_factory()
     rec = _recorder()
     state: dict = {"added": False, "stopped": []}
-    ext = ExternalNodes(cluster)
+    ext = cluster.external_nodes()
     faults = () if scenario in ("preempt", "none") else (Fault(scenario, 1, fail_at),)
     ckpt_dir = None
     checkpoint = None
@@ -375,7 +375,7 @@ def run_chaos(cluster, duration_s: float, *, factory=None, num_slices: int = 3,
                            step_deadline_floor_s=STEP_DEADLINE_FLOOR_S)
     trainer = ElasticTrainer(factory, config, 10 ** 7, callbacks=[rec])
     st: dict = {"next": None, "faults": [], "changing": [], "start_t": None, "bench_s": 0.0}
-    ext = ExternalNodes(cluster)
+    ext = cluster.external_nodes()
 
     def on_event(e):
         if e["event"] == "start":

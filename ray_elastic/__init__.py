@@ -3,7 +3,7 @@ failures, with the Ray driver as the single controller."""
 
 from ray_elastic.callbacks import Callback
 from ray_elastic.checkpoint import CheckpointConfig
-from ray_elastic.errors import CheckpointStorageFailed, StorageError
+from ray_elastic.errors import CheckpointSaveFailed, CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
 from ray_elastic.controller import ElasticTrainer
 from ray_elastic.errors import (
@@ -31,6 +31,7 @@ from ray_elastic.report import FailureRecord, RunReport
 __all__ = [
     "Callback",
     "CheckpointConfig",
+    "CheckpointSaveFailed",
     "CheckpointStorageFailed",
     "StorageError",
     "CpuSlice",

@@ -146,7 +146,6 @@ def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> in
     out = console.out
     cluster.connect()
 
-    lost_node = {"pending": False}
     # In a terminal a live progress line shows the run and prints the events
     # above it; elsewhere (logs, CI) the plain lines below do.
     live = out.isatty()
@@ -163,17 +162,12 @@ def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> in
         if not live:
             print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), file=out)
         if name == "detected" and e["kind"] in ("node_died", "preempted"):
-            lost_node["pending"] = True
-        # A replacement node joins: at once when paused, and after the first
-        # step on the survivors when resizing (add_node blocks this thread).
-        trigger = "wait" if args.policy == "pause" else "recovered"
-        if name == trigger and lost_node["pending"]:
-            lost_node["pending"] = False
-            if progress is not None:
-                progress.message("  adding a replacement node to the cluster")
-            else:
-                print("  adding a replacement node to the cluster", file=out)
-            cluster.add_node()
+            # A replacement node starts, as a cloud's autoscaler would start
+            # one: in a process of its own, from a background thread. This
+            # runs on the controller's thread, which must not wait for it.
+            text = "  a replacement node is starting (outside the controller, as an autoscaler adds one)"
+            progress.message(text) if progress is not None else print(text, file=out)
+            cluster.add_node_outside()
 
     def on_step(step: int, loss: float, slices: int) -> None:
         if not live and (step % args.log_every == 0 or step == args.steps):

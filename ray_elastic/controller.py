@@ -17,12 +17,11 @@ slices, the snapshots and the step count.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
 import uuid
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence
 
 import ray
 
@@ -33,7 +32,7 @@ from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.data import assign_shards
 from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted, StateLoadFailed
-from ray_elastic.faults import Fault, FaultInjector
+from ray_elastic.faults import Fault, FaultInjector, check_faults
 from ray_elastic.membership import Membership, StateSource
 from ray_elastic.pipelining import next_assignment
 from ray_elastic.policy import Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
@@ -41,44 +40,12 @@ from ray_elastic.preemption import DriverStop, PreemptionWatcher, SliceNotice
 from ray_elastic.program import TrainProgram
 from ray_elastic.recording import ReportRecorder
 from ray_elastic.report import RunReport
+from ray_elastic.run_state import OpenFailure, RunState, Running, Stopping, Waiting
 from ray_elastic.snapshots import SnapshotStore
 
 __all__ = ["ElasticTrainer", "Running", "Waiting", "Stopping"]
 
 log = logging.getLogger("ray_elastic")
-
-
-# The run's states ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Running:
-    fresh: bool = True  # the next step is the first since a (re)start: it may compile
-
-
-@dataclasses.dataclass(frozen=True)
-class Waiting:
-    since: float  # training paused for replacements since then
-
-
-@dataclasses.dataclass(frozen=True)
-class Stopping:
-    reason: str
-
-
-RunState = Union[Running, Waiting, Stopping]
-
-
-@dataclasses.dataclass
-class _OpenFailure:
-    """A failure whose recovery (the next completed step) is pending."""
-
-    slice_id: int
-    step: int  # the step in flight when it happened
-    t_fault: float
-    steps_rewound: int = 0
-    restored_from: str = ""
-    compute_redone: Optional[float] = None  # None: steps_rewound whole steps
 
 
 class ElasticTrainer:
@@ -123,9 +90,9 @@ class ElasticTrainer:
     ):
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError("steps", f"must be a positive integer, got {steps!r}")
-        for f in faults:
-            if f.slice_id >= config.num_slices:
-                raise ConfigError("faults", f"{f} names slice {f.slice_id}, but num_slices={config.num_slices}")
+        check_faults(faults, config.num_slices, len(config.slice.bundles()))
+        if config.slices_per_leader and any(f.phase != "grads" for f in faults):
+            raise ConfigError("faults", "with slices_per_leader, faults fire at the gradient phase only (phase='grads')")
         self.config = config
         self.steps = steps
         self._factory = program_factory
@@ -147,14 +114,14 @@ class ElasticTrainer:
         self._ckpt = None
         if checkpoint is not None:
             self._ckpt = CheckpointCoordinator(
-                checkpoint, {"seed": config.seed, "batch_shards": config.shards}, self._event
-            )
+                checkpoint, {"seed": config.seed, "batch_shards": config.shards}, self._event, self._run_name)
         self._preemption = PreemptionWatcher()
         self._state: RunState = Running()
         self.step = 0  # steps completed in the state the live slices hold
         self.retries = 0
         self._step_durations: list[float] = []  # of kept steps, by step index
-        self._open: list[_OpenFailure] = []
+        self._open: list[OpenFailure] = []
+        self._held = None  # (partial step, its failure): finished when paused slices are back
         self._t0 = 0.0
 
     # -- the loop ---------------------------------------------------------
@@ -280,6 +247,9 @@ class ElasticTrainer:
             new = sorted(d.slices - m.live)
             if self._join(new) and (new or isinstance(self._state, Waiting)):
                 self._state = Running(fresh=True)
+                held, self._held = self._held, None
+                if held is not None and held[0].step == self.step and held[1] in self._open:
+                    self._finish_in_flight(*held)
             return bool(m.live) and not isinstance(self._state, Waiting)
         if isinstance(d, Wait):
             m.poll(block_s=0.25)
@@ -331,9 +301,10 @@ class ElasticTrainer:
         assignment = assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None))
         takers = self._snapshot_takers(k + 1)
 
-        def fire_faults() -> None:
-            for fired in self._injector.fire_due(k, m.hosts()):
-                self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host, step=k)
+        def fire_faults(phase: str = "grads") -> None:
+            for fired in self._injector.fire_due(k, m.hosts(), phase):
+                self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host,
+                            step=k, phase=phase)
 
         ahead = next_assignment(self._view(), self.config, k, self.steps, self._clock(), assignment)
         result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead)
@@ -382,7 +353,7 @@ class ElasticTrainer:
     # -- recovery -----------------------------------------------------------
 
     def _recover(self, f: SliceFailure, in_flight: bool = True) -> None:
-        now = self._clock()
+        now, self._held = self._clock(), None
         fired = self._injector.last_for(f.slice_id)
         # Measured from the injected fault, else from its first sign.
         t_fault = fired.at if fired is not None and fired.fault.step == f.step else now
@@ -393,7 +364,7 @@ class ElasticTrainer:
         log.warning("%s", f)
         d = decide(SliceLost(f.slice_id, f.kind, f.step), self._view(), self.config, now)
         self.retries += 1
-        open_failure = _OpenFailure(f.slice_id, f.step, t_fault)
+        open_failure = OpenFailure(f.slice_id, f.step, t_fault)
         if isinstance(d, Fail):
             self.members.live.discard(f.slice_id)
             self.members.backend.retire(f.slice_id)
@@ -419,14 +390,19 @@ class ElasticTrainer:
         open_failure.restored_from = "live" if self.members.live else "pending"
         self._open.append(open_failure)
         partial = getattr(f, "partial", None)
-        if (in_flight and isinstance(d, Shrink) and partial is not None and self.step == f.step
-                and self.config.batch_on_resize == "accumulate"):
+        if not (in_flight and partial is not None and self.step == f.step):
+            return
+        if isinstance(d, Shrink) and self.config.batch_on_resize == "accumulate":
             self._finish_in_flight(partial, open_failure)
+        elif isinstance(d, Wait) and getattr(self.members.backend, "ranges", None) is None:
+            # Paused: the step is finished once the replacement (a spare at
+            # once) has joined, with the survivors' gradients kept.
+            self._held = (partial, open_failure)
 
-    def _finish_in_flight(self, partial, open_failure: _OpenFailure) -> None:
-        """Resize, a slice lost in the gradient phase: the survivors keep
-        their gradients, compute only the lost slice's shards, and complete
-        the step; no step is redone."""
+    def _finish_in_flight(self, partial, open_failure: OpenFailure) -> None:
+        """A slice lost mid-step: the survivors keep their gradients, the
+        live slices (under pause, with the replacement) compute only the
+        lost slice's shards and complete the step; no step is redone."""
         m, k = self.members, partial.step
         lost = [sh for s, shards in partial.assignment.items() if s not in partial.payloads for sh in shards]
         open_failure.steps_rewound = 0

@@ -24,6 +24,7 @@ __all__ = [
     "ReplacementTimeout",
     "StorageError",
     "CheckpointStorageFailed",
+    "CheckpointSaveFailed",
     "StateLoadFailed",
     "CheckpointDamaged",
     "EventsFileError",
@@ -124,6 +125,11 @@ class ReplacementTimeout(RunFailed):
 
 class CheckpointStorageFailed(RunFailed):
     """Checkpoint saves kept failing; the state was rescued to local disk."""
+
+
+class CheckpointSaveFailed(RunFailed):
+    """A checkpoint save failed in ray_elastic's own code, not in the
+    storage; the state was rescued to local disk and the message says where."""
 
 
 class StorageError(ElasticError):

@@ -1,7 +1,8 @@
 """Deterministic fault injection keyed by (slice, host, step).
 
 Used alike by the tests, `ray-elastic demo --fail-at`, and the benchmarks.
-Each fault fires once, while the step it names is in flight, and records
+Each fault fires once, while the step it names is in flight (at the phase
+it names: the gradients, the reduction or the apply), and records
 the wall-clock moment it fired so detection and recovery times are measured
 from the fault itself, not from when the driver noticed.
 """
@@ -16,9 +17,13 @@ from typing import Callable, Optional
 
 from ray_elastic.errors import ConfigError
 
-__all__ = ["Fault", "FaultInjector", "FAULT_KINDS", "check_faults"]
+__all__ = ["Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PHASES", "check_faults"]
 
 FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node")
+# The moments of a step a fault can hit: once its gradient calls are in
+# flight; once every gradient is in and the reduction tree runs; once the
+# sum is made and the applies run (step_runner.StepRunner.run).
+FAULT_PHASES = ("grads", "reduce", "apply")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,27 +33,35 @@ class Fault:
     term: SIGTERM the worker (a preemption notice to the process).
     freeze_node: stop the node's raylet and every process on it (alive but
     unreachable: a frozen machine, or one whose network dropped).
+    `phase`: the moment of the step it fires at (FAULT_PHASES).
     """
 
     kind: str
     slice_id: int
     step: int
     host: int = 0
+    phase: str = "grads"
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
             raise ConfigError("faults", f"fault kind {self.kind!r}: use one of {FAULT_KINDS}")
         if self.slice_id < 0 or self.step < 0 or self.host < 0:
             raise ConfigError("faults", "fault slice, step and host must be >= 0")
+        if self.phase not in FAULT_PHASES:
+            raise ConfigError("faults", f"fault phase {self.phase!r}: use one of {FAULT_PHASES}")
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
-        """'KIND:SLICE:STEP[:HOST]', e.g. 'kill:1:20'."""
+        """'KIND:SLICE:STEP[:HOST[:PHASE]]', e.g. 'kill:1:20' or 'remove_node:1:20:0:apply'."""
         parts = text.split(":")
-        if len(parts) not in (3, 4):
-            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST]")
-        kind, *nums = parts
-        return cls(kind, *[int(n) for n in nums])
+        if len(parts) not in (3, 4, 5):
+            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST[:PHASE]]")
+        kind, *nums = parts[:4]
+        try:
+            values = [int(n) for n in nums]
+        except ValueError:
+            raise ConfigError("faults", f"fault {text!r}: SLICE, STEP and HOST must be integers") from None
+        return cls(kind, *values, *parts[4:])
 
 
 def check_faults(faults, num_slices: int, hosts_per_slice: int) -> None:
@@ -92,12 +105,12 @@ class FaultInjector:
             if action is None and any(f.kind == kind for f in faults):
                 raise ConfigError("faults", f"a {kind} fault needs a cluster that can do it ({kind}=...)")
 
-    def fire_due(self, step: int, hosts: dict) -> list[Fired]:
-        """Fire every fault due at `step` on a live slice. `hosts` maps a
-        live slice's id to its hosts' infos (pid, node_id)."""
+    def fire_due(self, step: int, hosts: dict, phase: str = "grads") -> list[Fired]:
+        """Fire every fault due at `step`'s `phase` on a live slice. `hosts`
+        maps a live slice's id to its hosts' infos (pid, node_id)."""
         out = []
         for f in list(self.pending):
-            if f.step != step or f.slice_id not in hosts:
+            if f.step != step or f.phase != phase or f.slice_id not in hosts:
                 continue
             infos = hosts[f.slice_id]
             if f.host >= len(infos):

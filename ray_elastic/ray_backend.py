@@ -184,8 +184,8 @@ class RayBackend:
         return sl.workers[0].state.remote()
 
     def fetch(self, ref: Any, timeout_s: Optional[float] = None) -> Any:
-        if isinstance(ref, tuple):  # a sharded state: one part per host
-            return ray.get(list(ref), timeout=timeout_s)
+        if isinstance(ref, tuple):  # a sharded state: one part per host, kept a tuple
+            return tuple(ray.get(list(ref), timeout=timeout_s))
         return ray.get(ref, timeout=timeout_s)
 
     def attach_checkpoints(self, coordinator: Any, slice_id: int) -> None:
@@ -198,6 +198,9 @@ class RayBackend:
         with the other hosts of its slice (checkpoint/host_writes.py), on
         its checkpoint thread, beside training. One ref per host."""
         workers = self._up[min(self._up)].workers
+        if not isinstance(parts, tuple) or len(parts) != len(workers):
+            raise TypeError(f"a sharded snapshot is one part per host: expected a tuple of {len(workers)}, "
+                            f"got {type(parts).__name__}")
         return [w.save_checkpoint.options(concurrency_group="checkpoint").remote(path, keep, meta, save_id, parts[h])
                 for h, w in enumerate(workers)]
 

@@ -9,9 +9,12 @@ the driver anyway). Losing one node or one whole slice then never loses the
 latest complete snapshot.
 
 Under a sharded layout a slice's copy is one part per host (a tuple of
-refs), on every node of the slice; it is usable only while all of them
-live. The driver never pins such a copy (it would hold the whole state):
-with one slice left, the newest committed checkpoint is the fallback.
+refs, a tuple of one on a one-host slice), on every node of the slice; it
+is usable only while all of them live. The driver never pins a copy of
+several parts (it would gather in one process a state that no host holds
+whole): with one slice of several hosts left, the newest committed
+checkpoint is the fallback. A one-part copy is pinned like a replicated
+one: its one host holds the whole state anyway.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ class SnapshotStore:
             return
         p.refs[slice_id] = ref
         p.nodes[slice_id] = (nodes,) if isinstance(nodes, str) else tuple(nodes)
-        if p.needed == 1 and p.pinned is None and not isinstance(ref, tuple):
+        if p.needed == 1 and p.pinned is None and (not isinstance(ref, tuple) or len(ref) == 1):
             # One slice only: pin a second copy next to the driver, off the
             # step loop's thread.
             p.pinned = self._pool.submit(self._fetch, ref)

@@ -38,6 +38,7 @@ runs two gradient phases at once).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Callable, Mapping, Optional
@@ -48,7 +49,7 @@ from ray import exceptions as rex
 from ray_elastic.errors import FailureKind, SliceFailure, StepAborted
 from ray_elastic.failure_location import TRANSIENT, FailureLocator, failure, short
 
-__all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner", "senders"]
+__all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner", "per_host", "senders"]
 
 APPLY_FAN_IN = 8
 # While a step runs, the nodes of the live slices are probed this often: a
@@ -60,10 +61,18 @@ NODE_PROBE_S = 0.25
 GATHER_POLL_S = 0.01
 
 
+def per_host(sl) -> bool:
+    """Whether each host of a slice holds its own blocks of the state (a
+    sharded layout): then every host sends gradients, snapshots and loads
+    its own part, and a slice's snapshot is a tuple of one ref per host,
+    whatever the host count (one host gives a tuple of one)."""
+    return bool(getattr(sl, "per_host", False))
+
+
 def senders(sl) -> int:
     """How many hosts of a slice send gradients: every host under a sharded
     layout (each holds other blocks), else host 0 (it holds them all)."""
-    return len(sl.workers) if getattr(sl, "per_host", False) else 1
+    return len(sl.workers) if per_host(sl) else 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,12 +180,14 @@ class StepRunner:
         assignment: Mapping[int, tuple],
         takers: frozenset,
         deadline_s: float,
-        on_issued: Callable[[], None] = lambda: None,
+        on_issued: Callable[..., None] = lambda phase="grads": None,
         ahead: Optional[Mapping[int, tuple]] = None,
     ) -> StepResult:
         """Run step k within deadline_s. `assignment`: slice -> its shards;
         `takers`: slices whose reply carries a snapshot; `on_issued` runs
-        once phase 1 is in flight (where injected faults fire); `ahead`:
+        once phase 1 is in flight, then with "reduce" once every gradient is
+        in, and with "apply" once the sum is made (where injected faults
+        fire, faults.FAULT_PHASES); `ahead`:
         the next step's assignment, to issue its pure calls early (None:
         the step boundary may change the slices)."""
         wait = _Deadline(self._clock() + deadline_s, deadline_s)
@@ -205,18 +216,21 @@ class StepRunner:
         reissued = self._reissued
         try:
             self._gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
-            for level in pre.levels:
+            on_issued("reduce")
+            with self._gradients_kept(k, live, assignment, pre.payloads):
+                for level in pre.levels:
+                    if self._reissued != reissued:
+                        # The next level holds a re-issued call's void ref: its
+                        # calls fail on that input, and a transient error would
+                        # be re-issued with the same input until the deadline.
+                        break
+                    self._gather(level, k, wait, live)
                 if self._reissued != reissued:
-                    # The next level holds a re-issued call's void ref: its
-                    # calls fail on that input, and a transient error would
-                    # be re-issued with the same input until the deadline.
-                    break
-                self._gather(level, k, wait, live)
-            if self._reissued != reissued:
-                # A re-issued call's dependents hold its void ref: hand off again.
-                self.drop_ahead()
-                return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait)
-            result = StepResult(self._gather(applies, k, wait, live), snaps())
+                    # A re-issued call's dependents hold its void ref: hand off again.
+                    self.drop_ahead()
+                    return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait, on_issued)
+                on_issued("apply")
+                result = StepResult(self._gather(applies, k, wait, live), snaps())
         except BaseException:
             self.drop_ahead()  # the step failed: what was issued after it is void
             raise
@@ -229,7 +243,9 @@ class StepRunner:
         issued, payloads = self._issue_grads(k, live, assignment)
         on_issued()
         self._gather_grads(issued, payloads, k, live, assignment, wait)
-        return self._apply(k, live, self._holder(assignment, payloads), takers, wait)
+        on_issued("reduce")
+        with self._gradients_kept(k, live, assignment, payloads):
+            return self._apply(k, live, self._holder(assignment, payloads), takers, wait, on_issued)
 
     @staticmethod
     def _holder(assignment: Mapping, payloads: dict) -> dict:
@@ -245,6 +261,22 @@ class StepRunner:
             survivors = {s: payloads[s] for s in live if s != f.slice_id and s in payloads}
             pending = [c for c in issued if c[0] in survivors and (c[0], c[1]) not in finished]
             f.partial = PartialStep(k, dict(assignment), survivors, pending)
+            raise
+
+    @contextlib.contextmanager
+    def _gradients_kept(self, k: int, live: Mapping, assignment: Mapping, payloads: dict):
+        """Every gradient of step k is in: a slice lost from here on (in
+        the reduction or the apply) leaves the survivors' gradients intact
+        on their own nodes. The failure carries them, so the step can be
+        finished (`finish`) with only the lost slice's shards computed again,
+        unless a survivor has applied the step meanwhile (the controller
+        reconciles the survivors first)."""
+        try:
+            yield
+        except SliceFailure as f:
+            if getattr(f, "partial", None) is None:
+                survivors = {s: payloads[s] for s in live if s != f.slice_id and s in payloads}
+                f.partial = PartialStep(k, dict(assignment), survivors, [])
             raise
 
     def _issue(self, k: int, live: Mapping, assignment: Mapping, after: Optional[dict] = None) -> _Issued:
@@ -316,11 +348,13 @@ class StepRunner:
         ]
         return issued, payloads
 
-    def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: "_Deadline") -> StepResult:
+    def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: "_Deadline",
+               on_issued: Callable[..., None] = lambda phase="grads": None) -> StepResult:
         groups = senders(next(iter(live.values())))
         grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
                      for g in range(groups)}
         issued, snaps = self._issue_apply(k, live, grad_refs, takers)
+        on_issued("apply")
         return StepResult(self._gather(issued, k, wait, live), snaps())
 
     def _issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], dict]]:
@@ -333,11 +367,11 @@ class StepRunner:
         issued, parts = [], {}  # parts: slice -> {host: its snapshot's ref}
         self._applies = {}
         for s, sl in sorted(live.items()):
-            per_host = senders(sl) > 1
+            own = per_host(sl)
             for h, w in enumerate(sl.workers):
                 # A sharded slice's hosts each snapshot their own blocks.
-                take = (h == 0 or per_host) and s in takers
-                refs = grad_refs[h if per_host else 0]
+                take = (h == 0 or own) and s in takers
+                refs = grad_refs[h if own else 0]
 
                 def call(w=w, take=take, refs=refs, s=s, h=h):
                     m_ref, snap_ref = w.apply.options(num_returns=2).remote(k, take, list(refs), self._epoch)
@@ -349,7 +383,7 @@ class StepRunner:
                 issued.append((s, h, call(), call))
 
         def snaps() -> dict:
-            return {s: tuple(refs[h] for h in sorted(refs)) if senders(live[s]) > 1 else refs[0]
+            return {s: tuple(refs[h] for h in sorted(refs)) if per_host(live[s]) else refs[0]
                     for s, refs in parts.items()}
 
         self._workers = {s: list(sl.workers) for s, sl in live.items()}

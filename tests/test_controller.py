@@ -96,6 +96,9 @@ class FakeBackend:
 
     def held_steps(self, slices, step, abort_waits=False):
         self.aborted_waits = getattr(self, "aborted_waits", []) + [abort_waits]
+        for s in sorted(set(getattr(self, "fail_held", ())) & set(slices)):
+            self.fail_held.discard(s)
+            raise failure(FailureKind.PROCESS_DIED, s, 0, step, "found dead while reconciling")
         return {s: self.held[s] for s in slices}
 
     def locate(self, slices, step, cause):
@@ -285,13 +288,33 @@ def test_survivors_with_no_whole_state_go_back_to_the_snapshot():
     assert any(e["event"] == "rewind" and e["to_step"] == 4 for e in report.events)
 
 
-def test_pause_still_redoes_the_step_in_flight():
-    trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=8)
+@pytest.mark.parametrize("spares", [0, 1])
+def test_pause_finishes_the_step_in_flight_once_the_replacement_joins(spares):
+    """Paused, the survivors' gradients of the step in flight are kept: the
+    step is finished (the lost slice's shards computed again) on the full
+    mesh once the replacement, or at once the spare, has joined."""
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=60, spare_slices=spares)
+    trainer, backend = run(config, steps=8)
     backend.partial_steps = True
     backend.fail_at[(5, 1)] = FailureKind.PROCESS_DIED
     report = trainer.fit()
     (f,) = report.failures
-    assert backend.finished == [] and (f.steps_rewound, f.compute_redone) == (1, 1.0)
+    joined = 2 if spares else 1
+    assert backend.finished == [(5, tuple(sorted((0, joined))))]
+    assert (f.steps_rewound, f.compute_redone) == (0, 0.5)
+    assert report.steps_completed == 8 and [k for k, _ in backend.steps_run].count(5) == 1
+
+
+def test_pause_redoes_the_step_when_a_second_slice_is_lost_while_waiting():
+    """A second failure drops the kept gradients (they may be the lost
+    slice's): the step is then redone whole."""
+    trainer, backend = run(ElasticConfig(num_slices=3, policy="pause", timeout_s=60), steps=8, setup_s=5.0)
+    backend.partial_steps = True
+    backend.fail_at[(5, 1)] = FailureKind.PROCESS_DIED
+    backend.fail_held = {2}  # slice 2 is found dead by the reconcile after slice 1's loss
+    report = trainer.fit()
+    assert backend.finished == []
+    assert [f.steps_rewound for f in report.failures] == [1, 1]
 
 
 def test_pause_with_a_hot_spare_recovers_without_waiting_for_a_new_slice():

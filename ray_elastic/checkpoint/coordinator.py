@@ -7,7 +7,9 @@ already in the object store and polls the result at step boundaries. A
 writer that dies mid-write is replaced and its half-written step swept
 aside; a storage error is retried with backoff inside the writer; after
 `max_failed_saves` failed saves in a row the newest state is rescued to
-local disk and the run stops with an error naming both places.
+local disk and the run stops with an error naming both places. A save that
+fails in ray_elastic's own code, not in the storage, rescues the state at
+once and stops the run the same way: retrying a bug would not help.
 
 A damaged step (integrity.py) is never restored: the cold-start check, the
 in-run listing and the restore itself move it aside as `<step>.damaged`,
@@ -31,7 +33,9 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.host_writes import HostRestore
 from ray_elastic.checkpoint.store import STORAGE_ENV, CheckpointStore
 from ray_elastic.checkpoint.writer import CheckpointWriter
-from ray_elastic.errors import CheckpointDamaged, CheckpointStorageFailed, ConfigError, StorageError
+from ray_elastic.errors import (
+    CheckpointDamaged, CheckpointSaveFailed, CheckpointStorageFailed, ConfigError, RunFailed, StorageError,
+)
 
 __all__ = ["CheckpointCoordinator"]
 
@@ -41,8 +45,10 @@ _RemoteWriter = ray.remote(CheckpointWriter)
 
 
 class CheckpointCoordinator:
-    def __init__(self, config: CheckpointConfig, run_facts: dict, emit: Callable[..., None]):
+    def __init__(self, config: CheckpointConfig, run_facts: dict, emit: Callable[..., None],
+                 run_name: str = "ray_elastic"):
         self.config = config
+        self.run_name = run_name  # the rescue folder's name under config.rescue_dir
         self.facts = run_facts  # seed, batch_shards: must match on restore
         self._emit = emit
         self.store = CheckpointStore(config.path, keep=config.keep, retries=config.storage_retries, backoff_s=config.retry_backoff_s)
@@ -235,6 +241,17 @@ class CheckpointCoordinator:
         return self._inflight is not None
 
     def submit(self, step: int, snapshot_ref, urgent: bool = False) -> None:
+        """Start saving `snapshot_ref` as `step`. Storage errors surface
+        later, in `poll`; an error raised here is ray_elastic's own: the
+        state is rescued and the run stops (CheckpointSaveFailed)."""
+        try:
+            self._submit(step, snapshot_ref, urgent)
+        except RunFailed:
+            raise
+        except Exception as e:
+            raise self.fail_internal(step, snapshot_ref, e) from e
+
+    def _submit(self, step: int, snapshot_ref, urgent: bool) -> None:
         meta = {**self.facts, "step": step, "time": time.time()}
         if self._on_hosts is not None:  # a sharded state: its hosts write their own shards
             if self.failed_in_a_row:
@@ -314,21 +331,41 @@ class CheckpointCoordinator:
 
         folder = os.path.join(self.config.rescue_dir, run_name)
         template = ray.get(self._template_ref)
+        # A ref, or a value already in the driver (the pinned snapshot).
+        value = lambda x: ray.get(x) if isinstance(x, ray.ObjectRef) else x  # noqa: E731
         if isinstance(snapshot_ref, tuple):  # a sharded state: one part per host
-            state = assemble(ray.get(list(snapshot_ref)), template)
+            state = assemble([value(p) for p in snapshot_ref], template)
         else:
-            snapshot = ray.get(snapshot_ref)
+            snapshot = value(snapshot_ref)
             state = unflatten(snapshot["flat"], template) if "flat" in snapshot else {
                 "params": snapshot["params"], "opt_state": snapshot["opt_state"]}
         CheckpointStore(folder, keep=1, retries=1).save(step, state, {**self.facts, "step": step})
         return folder
 
-    def fail_with_rescue(self, step: int, snapshot_ref, run_name: str) -> CheckpointStorageFailed:
+    def _rescued(self, step: int, snapshot_ref, run_name: str) -> str:
+        """Rescue the state; what the error tells the user about it."""
         try:
             where = self.rescue(step, snapshot_ref, run_name)
-            kept = f"The state of step {step} was saved to {where} (Orbax; resume by pointing checkpoint.path there)."
         except Exception as e:  # pragma: no cover - both storages down
-            kept = f"Rescuing the state to {self.config.rescue_dir} failed too: {e}."
+            return f"Rescuing the state to {self.config.rescue_dir} failed too: {e}."
+        self._emit("checkpoint_rescued", step=step, path=where)
+        return f"The state of step {step} was saved to {where} (Orbax; resume by pointing checkpoint.path there)."
+
+    def fail_internal(self, step: int, snapshot_ref, error: BaseException) -> CheckpointSaveFailed:
+        """A save failed in ray_elastic's own code: the state is rescued
+        and the run stops with an error saying where it is."""
+        log.error("checkpoint of step %d failed inside ray_elastic", step, exc_info=error)
+        self._emit("checkpoint_failed", step=step, reason=f"internal: {type(error).__name__}: {error}"[:300])
+        kept = self._rescued(step, snapshot_ref, self.run_name)
+        return CheckpointSaveFailed(
+            f"saving the checkpoint of step {step} to {self.config.path} failed in ray_elastic itself, not in "
+            f"the storage ({type(error).__name__}: {error}). {kept} This is a bug in ray_elastic: please report it "
+            "with this message. Meanwhile, checkpoint.path=None trains on in-memory snapshots only.",
+            setting="checkpoint.path",
+        )
+
+    def fail_with_rescue(self, step: int, snapshot_ref, run_name: str) -> CheckpointStorageFailed:
+        kept = self._rescued(step, snapshot_ref, run_name)
         return CheckpointStorageFailed(
             f"{self.failed_in_a_row} checkpoint saves in a row to {self.config.path} failed "
             f"(last: {self.saves[-1] if self.saves else 'none succeeded'}). {kept} Fix the storage "

@@ -331,9 +331,26 @@ class CheckpointStore:
         against theirs. Raises CheckpointDamaged; returns what was checked."""
         files = integrity.check_files(self.path, str(step), step, full=True)
         arrays = integrity.recorded_arrays(self.dir, step) is not None
-        self._restore_checked(step, None)
+        self._restore_checked(step, self._whole_arrays(step))
         return {(True, True): "files and arrays", (True, False): "files", (False, True): "arrays"}.get(
             (files, arrays), "readable (no checksums recorded)")
+
+    def _whole_arrays(self, step: int) -> Any:
+        """A restore target of whole arrays on this process's first device,
+        from the step's own metadata: a step written by several devices or
+        hosts (a sharded state) is read back here whatever the topology
+        it was saved on. None if the metadata cannot be read (the restore
+        then says why)."""
+        import jax
+        from jax.sharding import SingleDeviceSharding
+
+        try:
+            meta = _ocp().StandardCheckpointer().metadata(self.dir / str(step) / "state")
+        except Exception:
+            return None
+        one = SingleDeviceSharding(jax.devices()[0])
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=one),
+                            getattr(meta, "item_metadata", meta))
 
     def newest_intact(self, full: bool, known_good: frozenset = frozenset()) -> tuple[Optional[int], list[dict]]:
         """The newest committed step whose files check out, moving damaged
