@@ -49,6 +49,11 @@ class SliceBackend(Protocol):
         failure's `partial`) on these slices, keeping the gradients already
         computed; or a SliceFailure."""
 
+    def applied(self, step: int, slices: Sequence[int]) -> Optional[StepResult]:
+        """The result of a step that failed after these slices had applied
+        it (they hold the step after it): their metrics and snapshots, or
+        None if none of their applies can be read."""
+
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         """Load a state (a ref) into every host of these slices. Raises
         StateLoadFailed naming the slices that died meanwhile."""

@@ -122,6 +122,7 @@ class ElasticTrainer:
         self._step_durations: list[float] = []  # of kept steps, by step index
         self._open: list[OpenFailure] = []
         self._held = None  # (partial step, its failure): finished when paused slices are back
+        self._t_step = 0.0  # when the step in flight started
         self._t0 = 0.0
 
     # -- the loop ---------------------------------------------------------
@@ -265,7 +266,8 @@ class ElasticTrainer:
             self._restore_from(source)
         if not self.members.join(new, source):
             return False
-        self._event("grow", joined=new, slices=sorted(self.members.live), spares=sorted(self.members.ready), step=self.step)
+        self._event("grow", joined=new, slices=sorted(self.members.live), spares=sorted(self.members.ready), step=self.step,
+                    source=source.kind)
         return True
 
     def _restore_from(self, source: StateSource) -> None:
@@ -298,6 +300,7 @@ class ElasticTrainer:
 
     def _take_step(self) -> None:
         k, m, t_start, c = self.step, self.members, self._clock(), self.config
+        self._t_step = t_start
         assignment = assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None))
         takers = self._snapshot_takers(k + 1)
 
@@ -310,7 +313,9 @@ class ElasticTrainer:
         result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead)
         self._complete_step(k, result, t_start)
 
-    def _complete_step(self, k: int, result, t_start: float) -> None:
+    def _complete_step(self, k: int, result, t_start: float, recovered: bool = True) -> None:
+        """Step k is done: its snapshots, time and metrics; `recovered`:
+        the open failures are over (not while paused for a replacement)."""
         m = self.members
         self._preemption.record_step(result.metrics)
         for s, ref in result.snapshots.items():
@@ -323,9 +328,11 @@ class ElasticTrainer:
 
         t_end = self._clock()
         self.step = k + 1
-        self._state = Running(fresh=False)
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
+        if not recovered:
+            return self._report_step(result, t_end - t_start)
+        self._state = Running(fresh=False)
         for f in self._open:
             redone = float(f.steps_rewound) if f.compute_redone is None else f.compute_redone
             self._event(
@@ -334,7 +341,10 @@ class ElasticTrainer:
                 restored_from=f.restored_from, slices_after=len(m.live),
             )
         self._open.clear()
-        step_metrics = {"loss": result.loss, "slices": len(m.live), "step_s": t_end - t_start}
+        self._report_step(result, t_end - t_start)
+
+    def _report_step(self, result, step_s: float) -> None:
+        step_metrics = {"loss": result.loss, "slices": len(self.members.live), "step_s": step_s}
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
 
@@ -389,6 +399,10 @@ class ElasticTrainer:
         open_failure.steps_rewound = (f.step + 1 if in_flight else f.step) - self.step
         open_failure.restored_from = "live" if self.members.live else "pending"
         self._open.append(open_failure)
+        if in_flight and self.step == f.step + 1:  # the survivors had applied the step: it counts
+            done = self.members.backend.applied(f.step, sorted(self.members.live))
+            if done is not None:
+                self._complete_step(f.step, done, self._t_step, recovered=not isinstance(self._state, Waiting))
         partial = getattr(f, "partial", None)
         if not (in_flight and partial is not None and self.step == f.step):
             return

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["assign_shards", "host_rows", "leader_groups", "leader_ranges"]
+__all__ = ["assign_shards", "host_rows", "leader_groups", "leader_ranges", "rows_fed"]
 
 
 def assign_shards(live: Iterable[int], num_shards: int, mode: str,
@@ -106,3 +106,18 @@ def host_rows(batch_rows: int, host: int, hosts: int) -> slice:
         )
     per = batch_rows // hosts
     return slice(host * per, (host + 1) * per)
+
+
+def rows_fed(device_rows: list, batch_rows: int) -> slice:
+    """The rows of a shard's batch that one host feeds: those its devices
+    hold under the batch's sharding (`device_rows`: each addressable
+    device's row slice, as `Sharding.addressable_devices_indices_map`
+    gives them). All of them when the batch axes do not span the hosts (a
+    tensor axis across hosts, say); its share when they do. Must be one
+    contiguous range."""
+    spans = sorted({(r.start or 0, batch_rows if r.stop is None else r.stop) for r in device_rows})
+    start, stop = spans[0][0], max(b for _, b in spans)
+    covered = sorted(set().union(*(range(a, b) for a, b in spans)))
+    if covered != list(range(start, stop)):
+        raise ValueError(f"this host's devices hold rows {spans} of a {batch_rows}-row batch: not one range")
+    return slice(start, stop)

@@ -400,6 +400,11 @@ class GroupedRunner:
         return self._step_round(k, live, groups, tops, takers, wait, None, False,
                                 lambda g: self._ask_one(g, "finish", k, deadline_s))
 
+    def applied(self, k: int, live: Mapping) -> Optional[StepResult]:
+        """Step k's result from the applies the driver made itself (the
+        snapshotting slices'), as StepRunner.applied."""
+        return self.top.applied(k, live)
+
     def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
         """After a failure, every leader settles its group's applies, and
         the driver its own (StepRunner.settle_applies); the next calls get

@@ -134,6 +134,9 @@ class RayBackend:
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)
 
+    def applied(self, step: int, slices: Sequence[int]) -> Optional[StepResult]:
+        return self.runner.applied(step, self._live(slices))
+
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         self.runner.drop_ahead()
         if isinstance(source, HostRestore):  # every host reads its own shards of a checkpoint

@@ -389,6 +389,21 @@ class StepRunner:
         self._workers = {s: list(sl.workers) for s, sl in live.items()}
         return issued, snaps
 
+    def applied(self, k: int, live: Mapping) -> Optional[StepResult]:
+        """Step k's result on the live slices, for a step that lost a slice
+        after they had applied it (the controller found them a step ahead):
+        the metrics each host kept of its apply (the apply's own reply may
+        have been cancelled by `settle_applies` as it finished). No
+        snapshot: those rode on the cancelled replies. None if no host
+        holds step k + 1."""
+        keys = [(s, h) for s in sorted(live) for h in range(len(live[s].workers))]
+        try:
+            held = ray.get([live[s].workers[h].held_step.remote(True) for s, h in keys], timeout=30.0)
+        except rex.RayError:
+            return None
+        metrics = {key: m for key, (step, m) in zip(keys, held) if step == k + 1 and m is not None}
+        return StepResult(metrics, {}) if metrics else None
+
     def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
         """After a failure, settle the step's apply calls before the
         survivors say which step they hold (controller._reconcile): those

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ray_elastic.checkpoint.store import unflatten as _unflatten
-from ray_elastic.data import host_rows
+from ray_elastic.data import rows_fed
 from ray_elastic.errors import ConfigError
 from ray_elastic.inputs import Aborts, fetch_inputs
 from ray_elastic.program import TrainProgram
@@ -152,6 +152,8 @@ class SliceWorker:
             # Asking JAX for its backend here would start it too early.
             if os.environ.get("JAX_PLATFORMS", "") == "cpu":
                 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            # Else JAX's preemption service takes SIGTERM, and the notice is lost.
+            jax.config.update("jax_enable_preemption_service", False)
             jax.distributed.initialize(coordinator, num_processes=self.hosts, process_id=self.host)
         from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -204,16 +206,17 @@ class SliceWorker:
         if _EAGER_SETUP:  # as before (the bench's reference): the state now, and jax's unravel
             self._ensure_state()
         marks.append(("initial_state", time.time()))
-        sample = self._local_batch(0, 0)
-        rows = next(iter(sample.values())).shape[0] * self.hosts
+        sample = {k: np.asarray(v) for k, v in program.make_batch(self._seed, 0, 0, self._num_shards).items()}
+        rows = next(iter(sample.values())).shape[0]
         if rows % plan.batch_ways:
             raise ConfigError("layout.batch_axes", f"a shard's batch of {rows} rows does not split over the "
                               f"{plan.batch_ways} devices of the batch axes {plan.batch_axes}; make the per-shard "
                               "batch a multiple of that, or split the batch over fewer axes")
-        global_shape = {
-            k: jax.ShapeDtypeStruct((v.shape[0] * self.hosts,) + v.shape[1:], v.dtype, sharding=self._batch_sharding)
-            for k, v in sample.items()
-        }
+        # The rows this host's devices hold (all of them under tensor parallelism across hosts).
+        index = self._batch_sharding.addressable_devices_indices_map((rows,))
+        self._rows = rows_fed([rows_of[0] for rows_of in index.values()], rows)
+        global_shape = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding) for k, v in sample.items()}
+        self._global_shapes = {k: v.shape for k, v in sample.items()}
         # Compile once, ahead of time: shapes never change with the number of
         # live slices, so resizing never recompiles.
         self._grad = (
@@ -282,13 +285,12 @@ class SliceWorker:
         full = self.program.make_batch(self._seed, step, shard, self._num_shards)
         out = {}
         for k, v in full.items():
-            v = np.asarray(v)
-            out[k] = v[host_rows(v.shape[0], self.host, self.hosts)]
+            out[k] = np.asarray(v)[self._rows]
         return out
 
     def _to_global_batch(self, local: dict) -> dict:
         return {
-            k: self._jax.make_array_from_process_local_data(self._batch_sharding, v)
+            k: self._jax.make_array_from_process_local_data(self._batch_sharding, v, self._global_shapes[k])
             for k, v in local.items()
         }
 
@@ -512,8 +514,8 @@ class SliceWorker:
         """The state's tree of shapes and dtypes (for checkpoints)."""
         return self._template
 
-    def held_step(self) -> int:
-        return self._step
+    def held_step(self, with_metrics: bool = False):  # and the metrics of the apply that made it
+        return (self._step, self._last_apply) if with_metrics else self._step
 
     def abort_waits(self, epoch: int, from_step: int = 0) -> None:
         """A slice was lost: every apply or reduction issued in `epoch` or

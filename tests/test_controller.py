@@ -69,6 +69,11 @@ class FakeBackend:
             if (k, s) in self.fail_at:
                 f = failure(self.fail_at.pop((k, s)), s, 0, k, "injected")
                 f.node_silent = (k, s) in self.silent
+                if getattr(self, "applied_before_failure", False):  # the others applied the step
+                    for t in slices:
+                        if t != s:
+                            self.held[t] = k + 1
+                    self.applied_result = StepResult({(t, 0): {"loss": 1.0 / (k + 1)} for t in slices if t != s}, {})
                 if self.partial_steps:  # the others finished their gradients
                     f.partial = PartialStep(k, dict(assignment), {t: ("grads", t) for t in slices if t != s})
                 raise f
@@ -87,6 +92,9 @@ class FakeBackend:
         self.steps_run.append((k, tuple(slices)))
         metrics = {(s, 0): {"loss": 1.0 / (k + 1)} for s in slices}
         return StepResult(metrics, {s: ("state", k + 1) for s in takers})
+
+    def applied(self, step, slices):
+        return getattr(self, "applied_result", None)
 
     def load(self, slices, source, timeout_s):
         if source is None:
@@ -353,3 +361,18 @@ def test_a_silent_node_s_slice_is_replaced_on_a_new_placement_group():
     assert backend.new_groups == [1]
     replaces = [e for e in report.events if e["event"] == "replace"]
     assert [(e["slice"], e.get("new_group", False)) for e in replaces] == [(1, True), (0, False)]
+
+
+@pytest.mark.parametrize("policy", ["resize", "pause"])
+def test_a_step_the_survivors_applied_before_the_failure_counts(policy):
+    """A slice lost in the apply phase after the survivors had applied the
+    step: nothing is redone, and the step's loss is in the report."""
+    config = ElasticConfig(num_slices=2, policy=policy, timeout_s=60, **({"min_slices": 1} if policy == "resize" else {}))
+    trainer, backend = run(config, steps=8)
+    backend.applied_before_failure = True
+    backend.fail_at[(5, 1)] = FailureKind.NODE_DIED
+    report = trainer.fit()
+    (f,) = report.failures
+    assert f.steps_rewound == 0 and report.steps_completed == 8
+    assert report.losses[5] == 1.0 / 6 and len(report.losses) == 8
+    assert [k for k, _ in backend.steps_run].count(5) == 0  # never run again

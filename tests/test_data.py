@@ -79,3 +79,16 @@ def test_host_rows_split_evenly(rows, hosts):
 def test_host_rows_rejects_uneven(rows, hosts):
     with pytest.raises(ValueError, match="does not split evenly"):
         host_rows(rows, 0, hosts)
+
+
+def test_rows_fed_is_a_hosts_share_or_every_row():
+    from ray_elastic.data import rows_fed
+
+    # The batch split over 2 hosts x 2 devices: host 1 holds rows 4..8.
+    assert rows_fed([slice(4, 6), slice(6, 8)], 8) == slice(4, 8)
+    # Batch axes that do not span the hosts (tensor parallel across them):
+    # every device holds the whole batch, so the host feeds every row.
+    assert rows_fed([slice(None, None)], 8) == slice(0, 8)
+    assert rows_fed([slice(None, None), slice(None, None)], 8) == slice(0, 8)
+    with pytest.raises(ValueError, match="not one range"):
+        rows_fed([slice(0, 2), slice(4, 6)], 8)

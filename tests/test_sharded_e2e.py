@@ -127,12 +127,17 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     real = ray_backend.RayBackend.fetch
     monkeypatch.setattr(ray_backend.RayBackend, "fetch", lambda self, ref, timeout_s=None: (
         fetched.append((type(ref).__name__, trainer.step)), real(self, ref, timeout_s))[1])
-    fault = Fault("kill", slice_id=1, step=FAIL_AT, host=1)
-    trainer = ElasticTrainer(fsdp_factory, _config(policy=policy, snapshot_every=1), STEPS, faults=(fault,),
+    # Then a preemption notice (SIGTERM) to a host of the other slice: on a
+    # multi-host slice JAX's own preemption service would take the signal
+    # and the notice would be lost.
+    faults = (Fault("kill", slice_id=1, step=FAIL_AT, host=1),)
+    if policy == "pause":
+        faults += (Fault("term", slice_id=0, step=FAIL_AT + 1, host=1),)
+    trainer = ElasticTrainer(fsdp_factory, _config(policy=policy, snapshot_every=1), STEPS, faults=faults,
                              keep_final_state=True)
     report = trainer.fit()
     assert report.steps_completed == STEPS
-    assert [f.kind for f in report.failures] == ["process_died"]
+    assert [(f.kind, f.slice) for f in report.failures] == [("process_died", 1), ("preempted", 0)][:len(faults)]
     _assert_same_blocks(trainer.final_state, baseline["state"])
     assert fetched == [("tuple", STEPS)]  # only the final state, asked for by the test
     assert trainer._snapshots._pinned_value is None

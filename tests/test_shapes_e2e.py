@@ -1,0 +1,221 @@
+"""Every slice shape users run, through saves, restores and failures, on
+a real local cluster: hosts per slice {1, 2} x devices per host {1, 2} x
+layout {replicated, fsdp, fsdp_tp where the slice has 2 devices or more}.
+
+For each shape, one run under pause (2 slices, the example LM, small):
+- a periodic checkpoint (step 3) and a final one (step STEPS), both
+  committed and restorable (every byte and array checked);
+- a worker SIGKILLed at step 4: its replacement loads the newest in-memory
+  snapshot (snapshots every step) and finishes the step in flight;
+- a drain notice (SIGTERM to a worker) at step 5: the last completed step
+  is committed before the slice is taken out.
+Then two cold starts from its checkpoints:
+- onto the same topology under resize, from step 3 (written before the
+  failures), with a node removed at step 4 at each phase of a step (its
+  gradients, the reduction, the apply): no step is redone, and the run
+  ends bitwise equal to the pause run that had the kill and the drain;
+- onto another topology (one slice of other hosts x devices, the same
+  layout and global batch), from step 6: its losses follow the run's
+  (rtol 1e-5: another device count sums the same numbers in another
+  order), and its own final save commits.
+
+The default run covers every scenario on the one-host sharded shapes
+(DEFAULT); the whole cross product, 11 shapes and 33 removals, is
+`-m slow` (half a minute to a minute and a half per shape here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from ray_elastic import CheckpointConfig, CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic.checkpoint import CheckpointStore
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 10
+SAVE_EVERY = 3  # periodic saves at 3, 6 and 9, the final one at STEPS
+KILL_AT = 4
+DRAIN_AT = 5  # a notice is seen a step or two after it is given: steps must follow it
+SHAPES = [  # (hosts per slice, devices per host, layout)
+    (h, d, layout)
+    for h in (1, 2) for d in (1, 2) for layout in ("replicated", "fsdp", "fsdp_tp")
+    if layout != "fsdp_tp" or h * d >= 2
+]
+# The default run: the one-host sharded shapes (the most common real ones,
+# 8 GPUs or a v5e-8 per slice), one and several devices, fsdp and fsdp_tp;
+# their cold starts go onto one and two hosts. Two-host slices through the
+# same failures, saves and restores: tests/test_sharded_e2e.py (2 x 2 fsdp)
+# by default, every layout here under -m slow (a minute and more each).
+DEFAULT = {(1, 1, "fsdp"), (1, 2, "fsdp_tp")}
+OTHER_TOPOLOGY = {(1, 1): (1, 2), (1, 2): (2, 1), (2, 1): (1, 2), (2, 2): (1, 2)}
+PHASES = ("grads", "reduce", "apply")
+REMOVALS = [(shape, phase) for shape in SHAPES for phase in PHASES]
+DEFAULT_REMOVALS = {((1, 1, "fsdp"), "reduce"), ((1, 2, "fsdp_tp"), "apply")}
+
+
+def _params(cases, default):
+    """Cases not in `default` are marked slow; ids read like 1x2-fsdp[-apply]."""
+    def name(c):
+        (h, d, layout), rest = (c[0], c[1:]) if isinstance(c[0], tuple) else (c, ())
+        return "-".join((f"{h}x{d}", layout, *rest))
+
+    return [pytest.param(c, id=name(c), marks=() if c in default else pytest.mark.slow) for c in cases]
+
+
+def _factory(layout: str):
+    import examples.lm as lm
+
+    shape = lm.Layout() if layout == "replicated" else lm.sharded_layout(layout)
+    return functools.partial(lm.make_program, lm.LMConfig(), shape)
+
+
+def _config(hosts: int, devices: int, **kw) -> ElasticConfig:
+    kw.setdefault("num_slices", 2)
+    kw.setdefault("policy", "pause")
+    return ElasticConfig(slice=CpuSlice(hosts=hosts, devices_per_host=devices), batch_shards=2,
+                         step_deadline_floor_s=5.0, timeout_s=180.0, **kw)
+
+
+def _assert_bitwise(a, b) -> None:
+    """Two final states (a dict of whole arrays, or one part per host of
+    blocks) equal bit for bit."""
+    if isinstance(a, (tuple, list)):
+        assert isinstance(b, (tuple, list)) and len(a) == len(b)
+        for x, y in zip(a, b):
+            _assert_bitwise(x, y)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys()
+        for key in a:
+            _assert_bitwise(a[key], b[key])
+    else:
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _events(report, name):
+    return [e for e in report.events if e["event"] == name]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {}
+
+
+def _pause_run(shape, nodes, tmp_path_factory, runs):
+    """The shape's run with a kill and a drain notice, and its checkpoints
+    (cached: the cold starts and the removals compare with it)."""
+    if shape in runs:
+        return runs[shape]
+    hosts, devices, layout = shape
+    nodes(2 * hosts)
+    path = str(tmp_path_factory.mktemp("shape") / "ck")
+    faults = (Fault("kill", 1, KILL_AT, host=hosts - 1), Fault("term", 0, DRAIN_AT, host=0))
+    config = _config(hosts, devices, snapshot_every=1, snapshot_every_replicated=1)  # snapshots every step
+    trainer = ElasticTrainer(_factory(layout), config, STEPS, faults=faults,
+                             checkpoint=CheckpointConfig(path, save_every=SAVE_EVERY, keep=10), keep_final_state=True)
+    report = trainer.fit()
+    runs[shape] = {"report": report, "state": trainer.final_state, "path": path}
+    return runs[shape]
+
+
+@pytest.mark.parametrize("shape", _params(SHAPES, DEFAULT))
+def test_saves_restores_and_failures(shape, nodes, tmp_path_factory, runs):
+    hosts, devices, layout = shape
+    run = _pause_run(shape, nodes, tmp_path_factory, runs)
+    report, path = run["report"], run["path"]
+    assert report.steps_completed == STEPS
+    # The kill: the replacement loaded the newest snapshot and finished the
+    # step in flight (nothing redone). The drain: saved, then retired.
+    kinds = [(f.kind, f.slice, f.steps_rewound) for f in report.failures]
+    assert kinds == [("process_died", 1, 0), ("preempted", 0, 0)], kinds
+    assert len(report.losses) == STEPS  # every step's loss, the one the failure hit too
+    grow = _events(report, "grow")[0]
+    if report.failures[0].compute_redone == 0.5:
+        # The replacement loaded the newest snapshot, then the step in
+        # flight was finished with the survivor's gradient kept.
+        assert (grow["step"], grow["source"]) == (KILL_AT, "snapshot"), grow
+        assert _events(report, "step_completed_on_survivors")[0]["step"] == KILL_AT + 1
+    else:  # the survivor had applied the step before the kill was seen
+        assert report.failures[0].compute_redone == 0.0 and grow["step"] == KILL_AT + 1
+    saved = _events(report, "preempt_saved")
+    assert len(saved) == 1
+    store = CheckpointStore(path)
+    committed = store.committed_steps()
+    assert {SAVE_EVERY, 2 * SAVE_EVERY, 3 * SAVE_EVERY, STEPS, saved[0]["step"]} <= set(committed), committed
+    assert not _events(report, "checkpoint_failed")
+    for step in committed:  # every byte and array against its checksums, on any topology
+        assert store.verify(step) in ("files and arrays", "arrays")
+    per_host = isinstance(run["state"], tuple)
+    assert per_host == (layout != "replicated")
+    if per_host:
+        assert len(run["state"]) == hosts
+        starts = _events(report, "checkpoint_started")
+        assert starts and all(e.get("hosts") == hosts for e in starts), starts
+
+
+@pytest.mark.parametrize("shape", _params(SHAPES, DEFAULT))
+def test_cold_start_onto_another_topology(shape, nodes, tmp_path_factory, runs):
+    """From step 6 onto one slice of other hosts x devices (it computes
+    both shards of the global batch): the losses follow the run's."""
+    hosts, devices, layout = shape
+    run = _pause_run(shape, nodes, tmp_path_factory, runs)
+    h2, d2 = OTHER_TOPOLOGY[(hosts, devices)]
+    start = 2 * SAVE_EVERY
+    nodes(h2)
+    resumed = ElasticTrainer(_factory(layout), _config(h2, d2, num_slices=1), STEPS + 2,
+                             checkpoint=CheckpointConfig(_only_step(run["path"], start, tmp_path_factory),
+                                                         save_every=0, save_at_end=True))
+    report = resumed.fit()
+    assert _events(report, "restore")[0]["step"] == start and not report.failures
+    np.testing.assert_allclose(report.losses[start:STEPS], run["report"].losses[start:STEPS], rtol=1e-5)
+    # Its own final save, from the new topology, commits too.
+    assert CheckpointStore(resumed._ckpt.config.path).latest_committed() == STEPS + 2
+
+
+def _only_step(path: str, step: int, tmp_path_factory) -> str:
+    """A copy of the checkpoint folder holding only `step` (a cold start
+    resumes from the newest committed step)."""
+    import shutil
+
+    out = str(tmp_path_factory.mktemp("one") / "ck")
+
+    def other_steps(folder, names):
+        return [n for n in names if folder == path and n.split(".")[0].isdigit() and int(n.split(".")[0]) != step]
+
+    shutil.copytree(path, out, ignore=other_steps)
+    return out
+
+
+@pytest.mark.parametrize("case", _params(REMOVALS, DEFAULT_REMOVALS))
+def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, cluster, nodes, tmp_path_factory, runs):
+    """A cold start onto the same topology, under resize, from step 3
+    (written before the pause run's failures); then a node of slice 1
+    removed while step 4's gradients, reduction or apply are in flight.
+    The survivor finishes the step (the lost slice's shard computed again
+    unless a survivor had applied it already): no step is redone, and the
+    run ends bitwise equal to the pause run, which had its own failures
+    (the same math on any number of slices, and after any recovery)."""
+    shape, phase = case
+    hosts, devices, layout = shape
+    run = _pause_run(shape, nodes, tmp_path_factory, runs)
+    nodes(2 * hosts)
+    fault = Fault("remove_node", 1, KILL_AT, host=hosts - 1, phase=phase)
+    trainer = ElasticTrainer(_factory(layout), _config(hosts, devices, policy="resize", min_slices=1), STEPS,
+                             faults=(fault,), remove_node=cluster.remove_node, keep_final_state=True,
+                             checkpoint=CheckpointConfig(_only_step(run["path"], SAVE_EVERY, tmp_path_factory),
+                                                         save_every=0, save_at_end=False))
+    report = trainer.fit()
+    assert report.steps_completed == STEPS
+    assert _events(report, "restore")[0]["step"] == SAVE_EVERY
+    fired = _events(report, "fault")
+    assert [(e["step"], e["phase"]) for e in fired] == [(KILL_AT, phase)]
+    (f,) = report.failures
+    assert f.slice == 1 and f.kind in ("node_died", "process_died")
+    assert f.steps_rewound == 0, report.events
+    assert f.compute_redone in (0.0, 0.5)  # 0: a survivor had applied the step already
+    assert len(report.losses) == STEPS
+    _assert_bitwise(trainer.final_state, run["state"])
+    np.testing.assert_array_equal(report.losses[SAVE_EVERY:], run["report"].losses[SAVE_EVERY:])
