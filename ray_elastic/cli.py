@@ -116,7 +116,7 @@ def _demo(args: argparse.Namespace) -> int:
             logs = cluster.logs_dir
             print(f"cluster up in {time.monotonic() - t0:.1f} s; driver pid {os.getpid()}", file=console.out)
             print(f"Ray's own logs: {logs} (what Ray printed here: {own})", file=console.out)
-            rc = _run_demo(args, cluster, config, checkpoint, faults, program.factory, console)
+            rc = run_demo(args, cluster, config, checkpoint, faults, program.factory, console)
             print(f"  Ray's logs: {logs} (what Ray printed here: {own})", file=console.out)
             return rc
         finally:
@@ -137,7 +137,10 @@ def _check_output_file(option: str, path) -> None:
         raise ConfigError(option, f"cannot write {path}: it is a folder")
 
 
-def _run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int:
+def run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int:
+    """The demo's run on a cluster that is up (a LocalCluster): train, add
+    a replacement node from outside when a node is lost, print the summary
+    to `console.out` (errors to `console.err`). Returns the exit code."""
     from ray_elastic import ElasticTrainer, RunFailed
     from ray_elastic.events import EventLog
     from ray_elastic.metrics import MetricsCallback

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 
 __all__ = ["ExternalNodes"]
 
@@ -29,6 +30,7 @@ class ExternalNodes:
         self.procs: list = []  # (Popen, node name)
         self.threads: list = []
         self.started_at: list = []
+        self.up_at: list = []  # when each started node was alive in Ray (time.monotonic)
 
     def add(self) -> None:
         """Start a node now, without waiting for it (a background thread)."""
@@ -46,7 +48,9 @@ class ExternalNodes:
             # exits with it (seen in a chaos run: the node never came up).
             ports = {flag: _free_port() for flag in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                      "runtime-env-agent-port", "metrics-export-port")}
-            cmd = ["ray", "start", "--block", f"--address={self.address}", f"--num-cpus={self.cpus}",
+            # The `ray` beside this Python (a virtual environment that is not activated).
+            ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+            cmd = [ray_cli if os.path.exists(ray_cli) else "ray", "start", "--block", f"--address={self.address}", f"--num-cpus={self.cpus}",
                    f"--object-store-memory={self.store}", f"--node-name={name}", "--disable-usage-stats",
                    *(f"--{flag}={port}" for flag, port in ports.items())]
             # A new machine starts its agents in seconds; here they compete
@@ -67,6 +71,7 @@ class ExternalNodes:
                 up = self._came_up(proc, name)
                 _renice_group(proc.pid, 0)
                 if up:
+                    self.up_at.append(time.monotonic())
                     return
 
         t = threading.Thread(target=go, daemon=True, name="add-node-outside")

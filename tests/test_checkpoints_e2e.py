@@ -309,3 +309,40 @@ def test_checkpoints_cli_lists_committed_and_incomplete(tmp_path, capsys):
     assert main(["checkpoints", str(path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["committed"]) for r in rows] == [(3, True), (5, False)]
+
+
+def test_a_save_failing_in_ray_elastic_itself_rescues_the_state(nodes, tmp_path, monkeypatch):
+    """A save that fails in ray_elastic's own code (a bug injected into the
+    hosts' save call, on a one-host sharded slice) is not retried as a
+    storage error: the newest state is rescued to local disk at once, the
+    run stops with an error saying where, and the rescued step restores."""
+    import functools
+
+    import examples.lm as lm
+
+    from ray_elastic import CheckpointSaveFailed, CpuSlice
+    from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
+
+    real = CheckpointCoordinator.use_hosts
+
+    def buggy(self, save_on_hosts):
+        def save(parts, *args):
+            raise TypeError("'ray.ObjectRef' object is not subscriptable")  # the kind of bug it stands for
+        real(self, save)
+
+    monkeypatch.setattr(CheckpointCoordinator, "use_hosts", buggy)
+    nodes(2)
+    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
+    config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=1))
+    rescue = str(tmp_path / "rescue")
+    trainer = ElasticTrainer(factory, config, 20, keep_final_state=True,
+                             checkpoint=CheckpointConfig(str(tmp_path / "ck"), save_every=4, rescue_dir=rescue))
+    with pytest.raises(CheckpointSaveFailed) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "in ray_elastic itself" in message and "TypeError" in message and err.value.setting == "checkpoint.path"
+    where = next(e for e in trainer.report.events if e["event"] == "checkpoint_rescued")
+    assert where["step"] == 4 and where["path"] in message
+    assert CheckpointStore(where["path"]).latest_committed() == 4
+    state, meta = CheckpointStore(where["path"]).restore(4)
+    assert meta["step"] == 4 and trainer.report.outcome == "failed"

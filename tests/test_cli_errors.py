@@ -140,7 +140,7 @@ def test_an_error_once_the_cluster_is_up_is_its_message(capfd, monkeypatch, erro
     def run_demo(*a, **k):
         raise error
 
-    monkeypatch.setattr("ray_elastic.cli._run_demo", run_demo)
+    monkeypatch.setattr("ray_elastic.cli.run_demo", run_demo)
     _FakeCluster.stopped = False
     assert main(["demo", "--steps", "4"]) == rc
     err = capfd.readouterr().err

@@ -1,0 +1,56 @@
+"""`ray-elastic demo`'s run on a real local cluster: what a new user runs
+first and reads figures from must show the trainer's own figures."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+import types
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+
+def test_the_replacement_node_starts_outside_the_controller_thread(cluster, nodes, tmp_path):
+    """Pause with a ready spare, a node removed: the spare joins and the
+    step in flight is finished (nothing redone) while the replacement node
+    is still starting. The controller waited for no node: from the loss
+    to the spare's join takes less than the node took to come up, both
+    measured in the same run."""
+    import examples.lm as lm
+
+    from ray_elastic import CpuSlice, Fault
+    from ray_elastic.cli import build_parser, run_demo
+    from ray_elastic.cli_options import elastic_config, example_program
+
+    nodes(3)
+    report_path = str(tmp_path / "run.json")
+    args = build_parser().parse_args(["demo", "--policy", "pause", "--spare-slices", "1", "--fault", "remove_node",
+                                      "--steps", "40", "--fail-at", "10", "--report", report_path])
+    spec = CpuSlice(hosts=1, devices_per_host=1)
+    config = elastic_config(args, spec)
+    program = example_program(lm, args, spec)
+    console = types.SimpleNamespace(out=io.StringIO(), err=io.StringIO())
+    outside = cluster.outside
+    started = len(outside.started_at)
+    try:
+        rc = run_demo(args, cluster, config, None, (Fault("remove_node", 1, 10),), program.factory, console)
+        assert rc == 0, console.err.getvalue()
+        with open(report_path) as fh:
+            report = json.load(fh)
+        (f,) = report["failures"]
+        assert f["kind"] in ("node_died", "process_died") and f["steps_rewound"] == 0 and f["compute_redone"] in (0.0, 0.5)
+        events = {e["event"]: e for e in report["events"]}
+        assert events["grow"]["joined"] == [2] and "a replacement node is starting" in console.out.getvalue()
+        assert len(outside.started_at) == started + 1
+        deadline = time.monotonic() + 120
+        while len(outside.up_at) <= started and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert len(outside.up_at) == started + 1, "the replacement node never came up"
+        node_start_s = outside.up_at[-1] - outside.started_at[-1]
+        spare_join_s = events["grow"]["t"] - events["detected"]["t"]
+        assert spare_join_s < node_start_s, (spare_join_s, node_start_s)
+    finally:
+        outside.stop_all()
