@@ -30,9 +30,12 @@ import argparse
 import json
 import logging
 import os
+import queue
 import sys
 import tempfile
+import threading
 import time
+from typing import Optional
 
 __all__ = ["main"]
 
@@ -137,10 +140,16 @@ def _check_output_file(option: str, path) -> None:
         raise ConfigError(option, f"cannot write {path}: it is a folder")
 
 
-def run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int:
+def run_demo(args, cluster, config, checkpoint, faults, factory, console, node_starts: Optional[list] = None) -> int:
     """The demo's run on a cluster that is up (a LocalCluster): train, add
-    a replacement node from outside when a node is lost, print the summary
-    to `console.out` (errors to `console.err`). Returns the exit code."""
+    a replacement node from outside the controller's thread when a node is
+    lost, print the summary to `console.out` (errors to `console.err`).
+    `node_starts` collects each node added: when asked for and up
+    (time.monotonic), the thread that added it and the controller's.
+    Returns the exit code."""
+    node_starts = [] if node_starts is None else node_starts
+    cluster_work: queue.Queue = queue.Queue()  # what the controller asks of the cluster; None: done
+    lost_node: dict = {}
     from ray_elastic import ElasticTrainer, RunFailed
     from ray_elastic.events import EventLog
     from ray_elastic.metrics import MetricsCallback
@@ -164,13 +173,17 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int
         name = e["event"]
         if not live:
             print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), file=out)
-        if name == "detected" and e["kind"] in ("node_died", "preempted"):
-            # A replacement node starts, as a cloud's autoscaler would start
-            # one: in a process of its own, from a background thread. This
-            # runs on the controller's thread, which must not wait for it.
+        if name == "fault" and e["kind"] in ("remove_node", "freeze_node"):
+            lost_node["pending"] = True
+        # The replacement node, as a cloud's autoscaler adds one, is started
+        # by this process's main thread (Ray starts local nodes only there),
+        # never by the controller's: at once when the run waits for it, and
+        # once training goes on (a spare joined, or resize) otherwise.
+        trigger = "wait" if args.policy == "pause" and not config.spare_slices else "recovered"
+        if name == trigger and lost_node.pop("pending", False):
             text = "  a replacement node is starting (outside the controller, as an autoscaler adds one)"
             progress.message(text) if progress is not None else print(text, file=out)
-            cluster.add_node_outside()
+            cluster_work.put("add_node")
 
     def on_step(step: int, loss: float, slices: int) -> None:
         if not live and (step % args.log_every == 0 or step == args.steps):
@@ -180,14 +193,39 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console) -> int
         factory, config, args.steps, faults=faults, remove_node=cluster.remove_node,
         on_step=on_step, on_event=on_event, callbacks=callbacks, checkpoint=checkpoint,
     )
+    # The controller runs on a thread of its own; this (main) thread does
+    # the cluster's work the controller asks for, so that no controller
+    # call waits on a node starting. (A driver's SIGTERM handler needs the
+    # main thread: the demo does without it; `examples/train_lm.py`, the
+    # job driver, keeps the controller on its main thread.)
+    result: dict = {}
+
+    def fit() -> None:
+        try:
+            result["report"] = trainer.fit()
+        except BaseException as e:  # handed to the main thread
+            result["error"] = e
+        finally:
+            cluster_work.put(None)
+
+    controller = threading.Thread(target=fit, name="controller", daemon=True)
+    controller.start()
     try:
-        report = trainer.fit()
-        rc = 0
-    except RunFailed as e:
-        print(f"run failed: {e}", file=console.err)
-        report, rc = trainer.report, 1
+        for _ in iter(cluster_work.get, None):
+            t0 = time.monotonic()
+            cluster.add_node()
+            node_starts.append({"started": t0, "up": time.monotonic(), "thread": threading.get_ident(),
+                                "controller": controller.ident})
+        controller.join()
     finally:
         metrics.close()
+    rc = 0
+    if isinstance(result.get("error"), RunFailed):
+        print(f"run failed: {result['error']}", file=console.err)
+        rc = 1
+    elif "error" in result:
+        raise result["error"]
+    report = result.get("report", trainer.report)
 
     print("\nsummary", file=out)
     for f in report.failures:

@@ -251,6 +251,7 @@ class ElasticTrainer:
                 held, self._held = self._held, None
                 if held is not None and held[0].step == self.step and held[1] in self._open:
                     self._finish_in_flight(*held)
+                    return False  # the loop checks the step count and notices first
             return bool(m.live) and not isinstance(self._state, Waiting)
         if isinstance(d, Wait):
             m.poll(block_s=0.25)
@@ -402,7 +403,9 @@ class ElasticTrainer:
         if in_flight and self.step == f.step + 1:  # the survivors had applied the step: it counts
             done = self.members.backend.applied(f.step, sorted(self.members.live))
             if done is not None:
-                self._complete_step(f.step, done, self._t_step, recovered=not isinstance(self._state, Waiting))
+                last = self.step >= self.steps  # the run ends here: nothing to wait for
+                self._complete_step(f.step, done, self._t_step, recovered=last or not isinstance(self._state, Waiting))
+                self._after_step()
         partial = getattr(f, "partial", None)
         if not (in_flight and partial is not None and self.step == f.step):
             return
@@ -429,6 +432,7 @@ class ElasticTrainer:
             return self._recover(again)
         self._event("step_completed_on_survivors", step=k + 1, shards_recomputed=len(lost))
         self._complete_step(k, result, t_start)
+        self._after_step()  # a checkpoint due at this step
 
     def _reconcile(self, unreachable: bool) -> None:
         """Bring the survivors to one common step after a failure mid-step (during

@@ -30,7 +30,10 @@ class ExternalNodes:
         self.procs: list = []  # (Popen, node name)
         self.threads: list = []
         self.started_at: list = []
-        self.up_at: list = []  # when each started node was alive in Ray (time.monotonic)
+        # One per node asked for: its name, when it was asked for and when
+        # it was alive in Ray (time.monotonic; None until then, or never).
+        self.launches: list[dict] = []
+        self._stopping = False  # stop_all: no launch starts after it
 
     def add(self) -> None:
         """Start a node now, without waiting for it (a background thread)."""
@@ -40,6 +43,8 @@ class ExternalNodes:
 
         name = f"ext-{uuid.uuid4().hex[:8]}"
         self.started_at.append(time.monotonic())
+        launch = {"name": name, "started": self.started_at[-1], "up": None}
+        self.launches.append(launch)
 
         def go():
             # Every port a node's agents bind, free ones: by default the
@@ -65,13 +70,15 @@ class ExternalNodes:
             # CPUs, and goes back to the default once it is up.
             env = {**os.environ, "RAY_agent_register_timeout_ms": "120000"}
             for _ in range(3):
+                if self._stopping:
+                    return
                 proc = subprocess.Popen(["nice", "-n", "-10", *cmd], stdout=subprocess.DEVNULL,
                                         stderr=subprocess.DEVNULL, start_new_session=True, env=env)
                 self.procs.append((proc, name))
                 up = self._came_up(proc, name)
                 _renice_group(proc.pid, 0)
                 if up:
-                    self.up_at.append(time.monotonic())
+                    launch["up"] = time.monotonic()
                     return
 
         t = threading.Thread(target=go, daemon=True, name="add-node-outside")
@@ -122,11 +129,19 @@ class ExternalNodes:
         return found
 
     def stop_all(self, wait_s: float = 20.0) -> None:
+        """Stop every node started here (and any launch still retrying)."""
         import signal
         import time
 
         import ray
 
+        self._stopping = True
+        for proc, _ in list(self.procs):  # a launch still waiting for its node gives up at once
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for t in self.threads:
             t.join(timeout=30)
         names = {n for _, n in self.procs}
@@ -144,6 +159,7 @@ class ExternalNodes:
             time.sleep(0.2)
         self.procs.clear()
         self.threads.clear()
+        self._stopping = False  # ready for new launches
 
 
 # Ray's own processes on this machine (the cluster's control plane and

@@ -21,8 +21,10 @@ __all__ = ["Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PHASES", "check_fault
 
 FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node")
 # The moments of a step a fault can hit: once its gradient calls are in
-# flight; once every gradient is in and the reduction tree runs; once the
-# sum is made and the applies run (step_runner.StepRunner.run).
+# flight; once every gradient is in, before the reduction tree is gathered;
+# once the sum is made, as the applies are issued (StepRunner.run). With
+# pipelined dispatch the tree and the applies were issued ahead, so the
+# fault races them; with RAY_ELASTIC_PIPELINE=0 it hits each phase for sure.
 FAULT_PHASES = ("grads", "reduce", "apply")
 
 

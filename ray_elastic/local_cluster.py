@@ -63,7 +63,6 @@ class LocalCluster:
         )
         self.nodes = {}
         self.frozen: dict[str, list[int]] = {}  # node -> pids stopped
-        self.outside = self.external_nodes()  # what add_node_outside starts
         for _ in range(num_nodes):
             self.add_node()
 
@@ -88,20 +87,11 @@ class LocalCluster:
 
     def external_nodes(self) -> ExternalNodes:
         """A launcher of nodes like this cluster's, each started outside
-        this process from a background thread (as an autoscaler adds them)."""
+        this process from a background thread (as an autoscaler adds them;
+        the benchmarks' replacement nodes)."""
         return ExternalNodes(self.address, self._cpus, self._store)
 
-    def add_node_outside(self) -> None:
-        """Start a node like `add_node`'s, from a background thread and in a
-        process of its own, and return at once: for callbacks that run on
-        the controller's thread (a replacement node, as an autoscaler adds
-        one), where `add_node` would stall training while the node starts.
-        `remove_node` and `shutdown` take these nodes too."""
-        self.outside.add()
-
     def remove_node(self, node_id: str) -> None:
-        if node_id not in self.nodes and self.outside.remove(node_id):
-            return
         node = self.nodes.pop(node_id)
         pids = _worker_pids_on(node)
         self.cluster.remove_node(node, allow_graceful=False)
@@ -157,7 +147,6 @@ class LocalCluster:
                 _signal(pid, signal.SIGKILL)
         self.frozen.clear()
         if ray.is_initialized():
-            self.outside.stop_all()
             ray.shutdown()
         if self.cluster.head_node is not None or self.cluster.worker_nodes:
             self.cluster.shutdown()

@@ -10,11 +10,10 @@ latest complete snapshot.
 
 Under a sharded layout a slice's copy is one part per host (a tuple of
 refs, a tuple of one on a one-host slice), on every node of the slice; it
-is usable only while all of them live. The driver never pins a copy of
-several parts (it would gather in one process a state that no host holds
-whole): with one slice of several hosts left, the newest committed
-checkpoint is the fallback. A one-part copy is pinned like a replicated
-one: its one host holds the whole state anyway.
+is usable only while all of them live. The driver never pins such a copy
+(a sharded state is one too large for one device, and the head node may
+not hold it either): with one slice left, the newest committed checkpoint
+is the fallback.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ class SnapshotStore:
             return
         p.refs[slice_id] = ref
         p.nodes[slice_id] = (nodes,) if isinstance(nodes, str) else tuple(nodes)
-        if p.needed == 1 and p.pinned is None and (not isinstance(ref, tuple) or len(ref) == 1):
+        if p.needed == 1 and p.pinned is None and not isinstance(ref, tuple):
             # One slice only: pin a second copy next to the driver, off the
             # step loop's thread.
             p.pinned = self._pool.submit(self._fetch, ref)

@@ -353,8 +353,8 @@ class StepRunner:
         groups = senders(next(iter(live.values())))
         grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
                      for g in range(groups)}
+        on_issued("apply")  # the sum is made, the applies not yet issued
         issued, snaps = self._issue_apply(k, live, grad_refs, takers)
-        on_issued("apply")
         return StepResult(self._gather(issued, k, wait, live), snaps())
 
     def _issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], dict]]:

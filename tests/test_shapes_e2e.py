@@ -39,6 +39,7 @@ pytestmark = pytest.mark.cluster
 STEPS = 10
 SAVE_EVERY = 3  # periodic saves at 3, 6 and 9, the final one at STEPS
 KILL_AT = 4
+SHARDS = 4  # two per slice
 DRAIN_AT = 5  # a notice is seen a step or two after it is given: steps must follow it
 SHAPES = [  # (hosts per slice, devices per host, layout)
     (h, d, layout)
@@ -76,8 +77,8 @@ def _factory(layout: str):
 def _config(hosts: int, devices: int, **kw) -> ElasticConfig:
     kw.setdefault("num_slices", 2)
     kw.setdefault("policy", "pause")
-    return ElasticConfig(slice=CpuSlice(hosts=hosts, devices_per_host=devices), batch_shards=2,
-                         step_deadline_floor_s=5.0, timeout_s=180.0, **kw)
+    return ElasticConfig(slice=CpuSlice(hosts=hosts, devices_per_host=devices), batch_shards=SHARDS,
+                         step_deadline_floor_s=30.0, timeout_s=180.0, **kw)
 
 
 def _assert_bitwise(a, b) -> None:
@@ -102,6 +103,16 @@ def _events(report, name):
 @pytest.fixture(scope="module")
 def runs():
     return {}
+
+
+@pytest.fixture(autouse=True)
+def reduction_tree(monkeypatch):
+    """A reduction tree in every step (4 shards over fan-in 2), so that a
+    fault in the reduction phase has a tree to hit; every run here sums in
+    the same tree, so their results compare bitwise."""
+    from ray_elastic import step_runner
+
+    monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
 
 
 def _pause_run(shape, nodes, tmp_path_factory, runs):
@@ -131,6 +142,7 @@ def test_saves_restores_and_failures(shape, nodes, tmp_path_factory, runs):
     # step in flight (nothing redone). The drain: saved, then retired.
     kinds = [(f.kind, f.slice, f.steps_rewound) for f in report.failures]
     assert kinds == [("process_died", 1, 0), ("preempted", 0, 0)], kinds
+    assert report.failures[0].step == KILL_AT
     assert len(report.losses) == STEPS  # every step's loss, the one the failure hit too
     grow = _events(report, "grow")[0]
     if report.failures[0].compute_redone == 0.5:
@@ -159,7 +171,7 @@ def test_saves_restores_and_failures(shape, nodes, tmp_path_factory, runs):
 @pytest.mark.parametrize("shape", _params(SHAPES, DEFAULT))
 def test_cold_start_onto_another_topology(shape, nodes, tmp_path_factory, runs):
     """From step 6 onto one slice of other hosts x devices (it computes
-    both shards of the global batch): the losses follow the run's."""
+    every shard of the global batch): the losses follow the run's."""
     hosts, devices, layout = shape
     run = _pause_run(shape, nodes, tmp_path_factory, runs)
     h2, d2 = OTHER_TOPOLOGY[(hosts, devices)]
@@ -190,7 +202,8 @@ def _only_step(path: str, step: int, tmp_path_factory) -> str:
 
 
 @pytest.mark.parametrize("case", _params(REMOVALS, DEFAULT_REMOVALS))
-def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, cluster, nodes, tmp_path_factory, runs):
+def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, cluster, nodes, tmp_path_factory, runs,
+                                                                     monkeypatch):
     """A cold start onto the same topology, under resize, from step 3
     (written before the pause run's failures); then a node of slice 1
     removed while step 4's gradients, reduction or apply are in flight.
@@ -202,6 +215,9 @@ def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, clust
     hosts, devices, layout = shape
     run = _pause_run(shape, nodes, tmp_path_factory, runs)
     nodes(2 * hosts)
+    # Phase by phase, so the removal lands in the phase it names (pipelined,
+    # the tree and the applies are issued ahead and race the fault).
+    monkeypatch.setenv("RAY_ELASTIC_PIPELINE", "0")
     fault = Fault("remove_node", 1, KILL_AT, host=hosts - 1, phase=phase)
     trainer = ElasticTrainer(_factory(layout), _config(hosts, devices, policy="resize", min_slices=1), STEPS,
                              faults=(fault,), remove_node=cluster.remove_node, keep_final_state=True,
@@ -213,7 +229,7 @@ def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, clust
     fired = _events(report, "fault")
     assert [(e["step"], e["phase"]) for e in fired] == [(KILL_AT, phase)]
     (f,) = report.failures
-    assert f.slice == 1 and f.kind in ("node_died", "process_died")
+    assert (f.slice, f.step) == (1, KILL_AT) and f.kind in ("node_died", "process_died")
     assert f.steps_rewound == 0, report.events
     assert f.compute_redone in (0.0, 0.5)  # 0: a survivor had applied the step already
     assert len(report.losses) == STEPS

@@ -248,6 +248,8 @@ class CheckpointCoordinator:
             self._submit(step, snapshot_ref, urgent)
         except RunFailed:
             raise
+        except (StorageError, OSError) as e:  # the storage's (sweeping a failed save): counted, retried
+            self._failed(step, f"{type(e).__name__}: {e}"[:300])
         except Exception as e:
             raise self.fail_internal(step, snapshot_ref, e) from e
 
