@@ -411,7 +411,7 @@ class ElasticTrainer:
             return
         if isinstance(d, Shrink) and self.config.batch_on_resize == "accumulate":
             self._finish_in_flight(partial, open_failure)
-        elif isinstance(d, Wait) and getattr(self.members.backend, "ranges", None) is None:
+        elif isinstance(d, Wait) and partial.payloads and getattr(self.members.backend, "ranges", None) is None:
             # Paused: the step is finished once the replacement (a spare at
             # once) has joined, with the survivors' gradients kept.
             self._held = (partial, open_failure)
