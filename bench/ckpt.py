@@ -67,7 +67,7 @@ def preemption_commit(cluster, runs: int) -> dict:
     """Seconds from a preemption notice to the committed checkpoint."""
     from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
     from ray_elastic.callbacks import FunctionCallback
-    from ray_elastic.drain import drain_node
+    from ray_elastic.cluster.drain import drain_node
 
     rows = {"drain": [], "sigterm_worker": []}
     for i in range(runs):

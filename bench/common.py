@@ -22,7 +22,7 @@ def lm_factory():
 
 
 def start_cluster(num_nodes: int, object_store_mb: int = 200):
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=num_nodes, object_store_mb=object_store_mb)
     cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})

@@ -230,7 +230,7 @@ def run_elastic(cluster, policy: str, scenario: str, steps: int, fail_at: int, *
     """One ray_elastic run with one fault on slice 1 while step `fail_at` is
     in flight (preempt: the notice after step `fail_at` completes)."""
     from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
-    from ray_elastic.drain import drain_node
+    from ray_elastic.cluster.drain import drain_node
 
     if scenario not in ("kill", "remove_node", "stop", "preempt", "none"):
         raise ValueError(f"unknown scenario {scenario!r}")

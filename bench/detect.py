@@ -22,7 +22,7 @@ FAULTS = ("remove_node", "freeze_node")
 
 def one_run(health_checks: str, fault: str, steps: int = 30, fail_at: int = 10) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer, Fault
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=2, health_checks=health_checks)
     try:

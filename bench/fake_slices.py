@@ -56,7 +56,7 @@ import numpy as np
 import ray
 from ray import exceptions as rex
 
-from ray_elastic.slice_group import LiveSlice, Provisioning
+from ray_elastic.cluster.slice_group import LiveSlice, Provisioning
 
 __all__ = ["FakeSlices", "FakeWorker", "dead_ref"]
 

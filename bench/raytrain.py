@@ -444,7 +444,7 @@ def run_raytrain(
                         os.kill(victim["pid"], signal.SIGSTOP)
                         stopped.append(victim["pid"])
                     elif scenario == "preempt":
-                        from ray_elastic.drain import drain_node
+                        from ray_elastic.cluster.drain import drain_node
 
                         if not drain_node(victim["node"], deadline_s=preempt_deadline_s):
                             notes.append("Ray refused the drain request")

@@ -56,7 +56,7 @@ SETTLE_S = 6.0
 
 def _variant_slices(variant: str, factory, cache_dir: str):
     from ray_elastic.config import CpuSlice
-    from ray_elastic.slice_group import RaySlices
+    from ray_elastic.cluster.slice_group import RaySlices
 
     spec = CpuSlice()
     if variant == "before":
@@ -106,7 +106,7 @@ def _warm_memory(worker_pid: int) -> dict:
     memory, MB. Empty where /proc is not readable (not this machine)."""
     import psutil
 
-    from ray_elastic.warm_pool import PRELOAD_ENV
+    from ray_elastic.worker.warm_pool import PRELOAD_ENV
 
     try:
         raylet = psutil.Process(worker_pid).ppid()
@@ -165,12 +165,12 @@ def floor(runs: int = 5, log=print) -> dict:
     """What Ray alone takes here to start an actor: creation to the first
     reply of an actor that does nothing (`empty`), and of one that first
     imports what a worker needs (`imports`: jax, flax, optax, the example
-    model, ray_elastic.worker), with the workers' environment; median of
+    model, ray_elastic.worker.actor), with the workers' environment; median of
     `runs` after a first one left out. No replacement can be ready sooner
     than `imports` without a process started ahead of it."""
     import ray
 
-    from ray_elastic.slice_group import MALLOC_ENV
+    from ray_elastic.cluster.slice_group import MALLOC_ENV
 
     @ray.remote(num_cpus=0)
     class Empty:
@@ -181,7 +181,7 @@ def floor(runs: int = 5, log=print) -> dict:
     class Imports:
         def ready(self):
             import examples.lm  # noqa: F401 (jax, flax, optax)
-            import ray_elastic.worker  # noqa: F401
+            import ray_elastic.worker.actor  # noqa: F401
             return time.time()
 
     out = {}

@@ -261,9 +261,9 @@ def calibrate(num_slices: int, steps: int = 4, hosts: int = 4) -> dict:
     import ray
 
     from bench.fake_slices import FakeSlices
-    from ray_elastic.failure_location import FailureLocator, RayProbe
-    from ray_elastic.slice_group import LiveSlice
-    from ray_elastic.step_runner import StepRunner
+    from ray_elastic.failures.location import FailureLocator, RayProbe
+    from ray_elastic.cluster.slice_group import LiveSlice
+    from ray_elastic.dispatch.step_runner import StepRunner
 
     node = ray.get_runtime_context().get_node_id()
     info = {"node_id": node, "pid": None, "ip": "127.0.0.1"}
@@ -340,7 +340,7 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
     each)."""
     import ray
 
-    from ray_elastic.step_runner import APPLY_FAN_IN
+    from ray_elastic.dispatch.step_runner import APPLY_FAN_IN
 
     @ray.remote(num_cpus=0)
     class Sink:

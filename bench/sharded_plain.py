@@ -57,7 +57,7 @@ def main(argv=None) -> int:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     import examples.lm as lm
-    from ray_elastic.data import host_rows
+    from ray_elastic.dispatch.assignment import host_rows
     from ray_elastic.layout import resolve_param_specs
 
     config = lm.LMConfig(**json.loads(args.config))

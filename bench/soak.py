@@ -99,7 +99,7 @@ def _print(*args) -> None:
 
 
 def _cluster():
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=SLICES, health_checks="default")
     cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
@@ -287,7 +287,7 @@ class _Chaos:
         elif kind == "freeze_node":
             self.frozen[node] = {"pids": self.cluster.freeze_node(node), "t": t, "fault": fault["i"]}
         elif kind == "drain":
-            from ray_elastic.drain import drain_node
+            from ray_elastic.cluster.drain import drain_node
 
             accepted = drain_node(node, deadline_s=DRAIN_DEADLINE_S)
             fault["drain_accepted"] = accepted

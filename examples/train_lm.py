@@ -86,7 +86,7 @@ def train(args: argparse.Namespace) -> int:
     spec = slice_spec(args)
     check_devices_option(args, spec)
     config = elastic_config(args, spec)
-    from ray_elastic.faults import Fault, check_faults
+    from ray_elastic.failures.faults import Fault, check_faults
 
     faults = (Fault.parse(args.fault),) if args.fault else ()
     check_faults(faults, config.num_slices, spec.hosts)
@@ -113,8 +113,8 @@ def train(args: argparse.Namespace) -> int:
         if step % args.log_every == 0 or step == args.steps:
             print(f"step {step}/{args.steps} loss {loss:.4f} slices {slices}", flush=True)
 
-    from ray_elastic.events import EventLog
-    from ray_elastic.metrics import MetricsCallback
+    from ray_elastic.observe.events import EventLog
+    from ray_elastic.observe.metrics import MetricsCallback
 
     # ray_elastic_* metrics on the cluster's Prometheus endpoint / dashboard.
     callbacks = [MetricsCallback(f"train_lm-{os.getpid()}")]

@@ -5,7 +5,7 @@ from ray_elastic.callbacks import Callback
 from ray_elastic.checkpoint import CheckpointConfig
 from ray_elastic.errors import CheckpointSaveFailed, CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
-from ray_elastic.controller import ElasticTrainer
+from ray_elastic.control.controller import ElasticTrainer
 from ray_elastic.errors import (
     ConfigError,
     ElasticError,
@@ -19,14 +19,14 @@ from ray_elastic.errors import (
     WorkerHung,
     WorkerProcessDied,
 )
-from ray_elastic.events import EventLog, read_events
-from ray_elastic.faults import Fault
-from ray_elastic.metrics import MetricsCallback
-from ray_elastic.progress import ProgressCallback
+from ray_elastic.observe.events import EventLog, read_events
+from ray_elastic.failures.faults import Fault
+from ray_elastic.observe.metrics import MetricsCallback
+from ray_elastic.observe.progress import ProgressCallback
 from ray_elastic.retry import elastic_retry
 from ray_elastic.layout import Layout
 from ray_elastic.program import TrainProgram
-from ray_elastic.report import FailureRecord, RunReport
+from ray_elastic.observe.report import FailureRecord, RunReport
 
 __all__ = [
     "Callback",

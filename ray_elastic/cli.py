@@ -13,7 +13,7 @@ node per host), trains the example transformer LM, injects a fault into a
 slice mid-run, recovers by the chosen policy, adds a replacement node when a
 node was lost, and prints the run's timeline and loss (in a terminal, with a
 live progress line). Its metrics go to Ray's metrics system
-(`ray_elastic.metrics`); `--events` writes the timeline as JSON lines.
+(`ray_elastic.observe.metrics`); `--events` writes the timeline as JSON lines.
 
 `timeline` draws a run's events file or report as a PNG.
 
@@ -84,8 +84,8 @@ def _demo(args: argparse.Namespace) -> int:
     from ray_elastic import CpuSlice, Fault
     from ray_elastic.checkpoint import CheckpointConfig
     from ray_elastic.cli_options import elastic_config, example_program
-    from ray_elastic.faults import check_faults
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.failures.faults import check_faults
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     # Every setting is checked here, before any process or node is started:
     # a bad one is a ConfigError, which `main` prints as one line.
@@ -151,9 +151,9 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console, node_s
     cluster_work: queue.Queue = queue.Queue()  # what the controller asks of the cluster; None: done
     lost_node: dict = {}
     from ray_elastic import ElasticTrainer, RunFailed
-    from ray_elastic.events import EventLog
-    from ray_elastic.metrics import MetricsCallback
-    from ray_elastic.progress import ProgressCallback
+    from ray_elastic.observe.events import EventLog
+    from ray_elastic.observe.metrics import MetricsCallback
+    from ray_elastic.observe.progress import ProgressCallback
 
     out = console.out
     cluster.connect()
@@ -251,7 +251,7 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console, node_s
 
 def _timeline(args: argparse.Namespace) -> int:
     from ray_elastic.errors import TimelineInputError
-    from ray_elastic.timeline import main_timeline
+    from ray_elastic.observe.timeline import main_timeline
 
     if (args.events is None) == (args.report is None):
         print("ray-elastic timeline: give an events file or --report REPORT.json (one of them)", file=sys.stderr)

@@ -198,14 +198,14 @@ class ElasticConfig:
         Ray up and JAX, Optax and (CPU slices) the program's module
         imported, for a replacement on that host to start in: it is ready
         ~4 s sooner here (`python -m bench ready`). Costs one idle process
-        per worker (224 MB resident here). 0 turns it off (warm_pool.py).
+        per worker (224 MB resident here). 0 turns it off (worker/warm_pool.py).
         Where the job has its own worker_process_setup_hook, the process is
         still started ahead but imports nothing ahead.
     slices_per_leader: 0 (the default): the driver calls every slice
         itself, two calls per slice per step plus the reduction tree. N:
         one group leader actor per about N slices, beside the driver, makes
         its group's calls, and the driver makes two per leader
-        (grouped_runner.py). For hundreds of slices: at 1024 slices the
+        (dispatch/grouped_runner.py). For hundreds of slices: at 1024 slices the
         driver's own calls take about 1.4 s of CPU per step, and through
         leaders of 32 slices about 0.1 s (`python -m bench scale --floor`).
         Same results, bitwise; replicated layouts and

@@ -1,7 +1,8 @@
-"""Every error ray_elastic raises, in one picklable hierarchy.
+"""Every error a user of ray_elastic can meet, in one picklable hierarchy.
+(Control-flow errors that never leave ray_elastic are in failures/internal.py.)
 
 Failures of workers are sorted once, where they enter the controller
-(`failure_location.FailureLocator.classify`), into the closed set `FailureKind`. Each exception
+(`failures.location.FailureLocator.classify`), into the closed set `FailureKind`. Each exception
 carries plain data only (ints, strings), so it survives pickling between
 processes and can be caught in a notebook, a job driver, or a test.
 """
@@ -29,10 +30,6 @@ __all__ = [
     "CheckpointDamaged",
     "EventsFileError",
     "TimelineInputError",
-    "InputsAborted",
-    "InputsLost",
-    "StepAborted",
-    "SumAgain",
 ]
 
 
@@ -177,32 +174,3 @@ class StateLoadFailed(ElasticError):
 
     def __reduce__(self):
         return (type(self), (self.dead, self.cause))
-
-
-class InputsAborted(ElasticError, RuntimeError):
-    """A worker's apply or reduction stopped waiting for its inputs: the
-    controller said a slice's node was lost (inputs.py)."""
-
-
-class InputsLost(ElasticError, RuntimeError):
-    """Fetching a worker's inputs failed outside Ray's own errors (a
-    connection reset while the node holding them, or the worker's own,
-    goes away)."""
-
-
-class StepAborted(ElasticError):
-    """A group leader's part of a step was called off by the driver (another
-    group failed first); what it had issued is kept for a later try."""
-
-    def __init__(self, step: int):
-        self.step = step
-        super().__init__(f"step {step} called off by the driver")
-
-    def __reduce__(self):
-        return (type(self), (self.step,))
-
-
-class SumAgain(ElasticError):
-    """Internal to grouped_runner: a group leader died before the driver's
-    sum of the groups' gradients was made; its replacement issued its part
-    again, and the sum is made again. Never reaches the user."""

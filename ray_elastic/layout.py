@@ -9,7 +9,7 @@ plus logical axis rules (`flax.linen.logical_to_mesh`). The optimizer
 state follows its parameters (`optax.tree_map_params`); the batch is
 split over the data-like axes. Inside a slice XLA runs the collectives;
 across slices each host exchanges only the shards it holds, with the
-hosts of the same index in the other slices (step_runner.py).
+hosts of the same index in the other slices (dispatch/step_runner.py).
 
 Only plain data lives here: the specs are resolved against the state's
 shapes inside the workers (`resolve_param_specs`), so the driver never

@@ -21,7 +21,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 @pytest.fixture(scope="session")
 def cluster():
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     c = LocalCluster(num_nodes=2)
     c.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})

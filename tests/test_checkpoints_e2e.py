@@ -196,7 +196,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
     the last completed step is committed before the deadline, the slice is
     taken out at a step boundary (no step redone), and a replacement node
     brings the run back to two slices."""
-    from ray_elastic.drain import drain_node
+    from ray_elastic.cluster.drain import drain_node
 
     cluster = nodes(2)
     path = str(tmp_path / "ck")

@@ -28,7 +28,7 @@ class _NoCluster:
 @pytest.fixture
 def no_cluster(monkeypatch):
     """The demo's LocalCluster, made to fail the test if it is started."""
-    monkeypatch.setattr("ray_elastic.local_cluster.LocalCluster", _NoCluster)
+    monkeypatch.setattr("ray_elastic.cluster.local_cluster.LocalCluster", _NoCluster)
     monkeypatch.delenv("RAY_ELASTIC_DEBUG", raising=False)
 
 
@@ -135,7 +135,7 @@ def test_an_error_once_the_cluster_is_up_is_its_message(capfd, monkeypatch, erro
     """What the run raises (after the cluster started): the message and
     its exit code, the cluster stopped, no traceback."""
     monkeypatch.delenv("RAY_ELASTIC_DEBUG", raising=False)
-    monkeypatch.setattr("ray_elastic.local_cluster.LocalCluster", _FakeCluster)
+    monkeypatch.setattr("ray_elastic.cluster.local_cluster.LocalCluster", _FakeCluster)
 
     def run_demo(*a, **k):
         raise error

@@ -105,7 +105,7 @@ def test_devices_per_host_is_for_cpu_slices():
 
 
 def test_faults_are_checked_against_the_run():
-    from ray_elastic.faults import Fault, check_faults
+    from ray_elastic.failures.faults import Fault, check_faults
 
     check_faults((Fault("kill", 1, 5, host=1),), num_slices=2, hosts_per_slice=2)
     with pytest.raises(ConfigError, match=r"faults: .* names slice 2, but num_slices=2"):

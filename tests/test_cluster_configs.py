@@ -680,12 +680,12 @@ def health_check_problems(env: dict[str, Any], where: str) -> list[str]:
     """Problems of a head's health-check environment (`RAY_<key>` -> value).
 
     Every key set, to integers; at least as tolerant as the one-machine
-    cluster the tests use (ray_elastic.local_cluster.FAST_FAILURE_DETECTION:
+    cluster the tests use (ray_elastic.cluster.local_cluster.FAST_FAILURE_DETECTION:
     a real network is slower, not faster); at least 2 misses in a row (one
     slow reply must never cost a slice); and a lost node declared dead
     sooner than with Ray's defaults, both a crashed one (threshold x period)
     and a silent one (threshold x (period + timeout))."""
-    from ray_elastic.local_cluster import FAST_FAILURE_DETECTION
+    from ray_elastic.cluster.local_cluster import FAST_FAILURE_DETECTION
 
     values, problems = {}, []
     for key in HEALTH_CHECK_KEYS:

@@ -337,7 +337,7 @@ def test_batch_shards_default_and_checks():
 def test_workers_get_the_allocator_settings(monkeypatch):
     """Every worker process starts with glibc's large allocations on mmap
     and two arenas (slice_group.MALLOC_ENV); the driver's environment wins."""
-    from ray_elastic.slice_group import MALLOC_ENV, worker_env
+    from ray_elastic.cluster.slice_group import MALLOC_ENV, worker_env
 
     monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from ray_elastic import ElasticConfig, ElasticTrainer
-from ray_elastic.backend import SliceUp
+from ray_elastic.cluster.backend import SliceUp
 from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted, StateLoadFailed
-from ray_elastic.failure_location import failure
-from ray_elastic.step_runner import PartialStep, StepResult
+from ray_elastic.failures.location import failure
+from ray_elastic.dispatch.step_runner import PartialStep, StepResult
 
 
 class FakeClock:
@@ -212,7 +212,7 @@ def test_losing_every_slice_restores_the_newest_snapshot():
 
 
 def test_run_state_is_typed():
-    from ray_elastic.controller import Running, Waiting
+    from ray_elastic.control.controller import Running, Waiting
 
     trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=6)
     seen = []

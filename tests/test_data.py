@@ -1,4 +1,4 @@
-"""Unit tests for ray_elastic.data: shard assignment and host row splits."""
+"""Unit tests for ray_elastic.dispatch.assignment: shard assignment and host row splits."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ray_elastic.data import assign_shards, host_rows
+from ray_elastic.dispatch.assignment import assign_shards, host_rows
 
 NUM = 4
 
@@ -82,7 +82,7 @@ def test_host_rows_rejects_uneven(rows, hosts):
 
 
 def test_rows_fed_is_a_hosts_share_or_every_row():
-    from ray_elastic.data import rows_fed
+    from ray_elastic.dispatch.assignment import rows_fed
 
     # The batch split over 2 hosts x 2 devices: host 1 holds rows 4..8.
     assert rows_fed([slice(4, 6), slice(6, 8)], 8) == slice(4, 8)

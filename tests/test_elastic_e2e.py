@@ -167,7 +167,7 @@ def test_reduction_tree_pipelined_runs_through(nodes, lm_factory, monkeypatch):
     ahead, may reach it after them: it runs on a thread of its own
     (slice_group: `compute`); on the shared ones it waited behind them for
     good, found only at the step deadline as a "hung" slice."""
-    import ray_elastic.step_runner as step_runner
+    import ray_elastic.dispatch.step_runner as step_runner
 
     nodes(4)
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
@@ -190,7 +190,7 @@ def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     survivors holding shards of several tree nodes, ends bitwise equal to
     a failure-free tree run. (The tree's sum against the direct one:
     tests/test_reduce.py.)"""
-    import ray_elastic.step_runner as step_runner
+    import ray_elastic.dispatch.step_runner as step_runner
 
     nodes(4)
     cfg = _config(policy="resize", num_slices=4)

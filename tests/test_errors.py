@@ -144,20 +144,26 @@ def test_can_catch_as_elastic_error():
 
 def test_every_exception_class_lives_in_errors_py():
     """One hierarchy: no module of the package defines an exception class
-    of its own, and every one in errors.py derives from ElasticError."""
+    of its own except errors.py (what a user can meet) and
+    failures/internal.py (control flow that never leaves ray_elastic);
+    every one derives from ElasticError, and the public package exports
+    none of the internal ones."""
     import importlib
     import inspect
     import pkgutil
 
     import ray_elastic
+    from ray_elastic.failures import internal
 
+    homes = ("ray_elastic.errors", "ray_elastic.failures.internal")
     elsewhere = []
     for mod in pkgutil.walk_packages(ray_elastic.__path__, "ray_elastic."):
         module = importlib.import_module(mod.name)
         for name, obj in vars(module).items():
             if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__ == mod.name:
-                if mod.name != "ray_elastic.errors":
+                if mod.name not in homes:
                     elsewhere.append(f"{mod.name}.{name}")
                 else:
                     assert issubclass(obj, errors.ElasticError), name
-    assert not elsewhere, f"exception classes outside ray_elastic/errors.py: {elsewhere}"
+    assert not elsewhere, f"exception classes outside errors.py and failures/internal.py: {elsewhere}"
+    assert internal.__all__ and not set(internal.__all__) & (set(errors.__all__) | set(ray_elastic.__all__))

@@ -14,9 +14,9 @@ import pytest
 
 from ray_elastic.cli import main
 from ray_elastic.errors import EventsFileError
-from ray_elastic.events import EventLog, read_events
-from ray_elastic.report import FailureRecord, RunReport
-from ray_elastic.timeline import load_timeline
+from ray_elastic.observe.events import EventLog, read_events
+from ray_elastic.observe.report import FailureRecord, RunReport
+from ray_elastic.observe.timeline import load_timeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -12,8 +12,8 @@ import pytest
 from ray import exceptions as rex
 
 from ray_elastic.errors import FailureKind
-from ray_elastic.failure_location import FailureLocator, runtime_error
-from ray_elastic.inputs import InputsAborted, InputsLost
+from ray_elastic.failures.location import FailureLocator, runtime_error
+from ray_elastic.worker.inputs import InputsAborted, InputsLost
 
 
 class JaxRuntimeError(RuntimeError):  # the name JAX's own error has
@@ -129,7 +129,7 @@ def test_a_host_that_does_not_answer_is_the_hung_one():
 @pytest.mark.parametrize("cause", [InputsLost("step 4's inputs: OSError: Connection reset by peer"),
                                    InputsAborted("step 4's inputs given up: a slice was lost")])
 def test_inputs_that_could_not_be_fetched_blame_the_slice_on_a_lost_node(cause):
-    """An apply fetches the other slices' gradients itself (inputs.py): one
+    """An apply fetches the other slices' gradients itself (worker/inputs.py): one
     that could not is a node loss, blamed on the slice whose node is gone,
     not a bug of the program."""
     loc, live = _locator(_Probe(lost={"n10"})), _live()

@@ -1,4 +1,4 @@
-"""Unit tests for ray_elastic.faults: parsing and the injector (no cluster)."""
+"""Unit tests for ray_elastic.failures.faults: parsing and the injector (no cluster)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from ray_elastic.faults import FAULT_KINDS, Fault, FaultInjector
+from ray_elastic.failures.faults import FAULT_KINDS, Fault, FaultInjector
 
 
 def group(*infos):

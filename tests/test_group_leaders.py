@@ -1,5 +1,5 @@
 """Group leaders' pure parts: the shard ranges, the groups and the
-assignment (data.py), and the tree they build, which must be the tree the
+assignment (dispatch/assignment.py), and the tree they build, which must be the tree the
 driver alone builds (the same additions in the same order: bitwise the
 same sums). On a real cluster: tests/test_group_leaders_e2e.py."""
 
@@ -10,7 +10,7 @@ import itertools
 import pytest
 
 from ray_elastic import ConfigError, ElasticConfig
-from ray_elastic.data import assign_shards, leader_groups, leader_ranges
+from ray_elastic.dispatch.assignment import assign_shards, leader_groups, leader_ranges
 
 
 def _deeper(n: int, built: int, fan: int) -> bool:  # StepRunner._deeper
@@ -142,9 +142,9 @@ def test_the_leaders_code_builds_the_drivers_tree(fan, shards, per_leader, lost)
     leader_groups, group_leader.issue_subtrees per group, then
     GroupedRunner._issue_top), after losing the slices `lost`: the same
     additions in the same order."""
-    from ray_elastic.group_leader import issue_subtrees
-    from ray_elastic.grouped_runner import GroupedRunner
-    from ray_elastic.step_runner import StepRunner
+    from ray_elastic.dispatch.leader import issue_subtrees
+    from ray_elastic.dispatch.grouped_runner import GroupedRunner
+    from ray_elastic.dispatch.step_runner import StepRunner
 
     live = {s: _Slice(s) for s in range(shards) if s not in lost}
     flat = StepRunner(None, lambda: 0.0, fan_in=fan, pipeline=True)

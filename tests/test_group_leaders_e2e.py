@@ -17,7 +17,7 @@ import ray
 
 from ray_elastic import ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.callbacks import Callback
-from ray_elastic.grouped_runner import GroupedRunner
+from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from tests.test_elastic_e2e import _assert_bitwise_equal
 
 pytestmark = pytest.mark.cluster
@@ -28,7 +28,7 @@ FAIL_AT = 5
 
 @pytest.fixture
 def fan_in_2(monkeypatch):
-    import ray_elastic.step_runner as step_runner
+    import ray_elastic.dispatch.step_runner as step_runner
 
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
 
@@ -48,7 +48,7 @@ def reference(cluster, lm_factory):
     stall (a stalled step would be a "hung" failure here), as
     tests/test_elastic_e2e.py::test_reduction_tree_pipelined_runs_through
     (slow) checks with the tree's levels counted."""
-    import ray_elastic.step_runner as step_runner
+    import ray_elastic.dispatch.step_runner as step_runner
 
     cluster.ensure_nodes(4)
     saved = step_runner.APPLY_FAN_IN

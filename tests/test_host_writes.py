@@ -121,7 +121,7 @@ def test_a_step_the_hosts_find_damaged_is_set_aside_and_the_join_retried():
     controller takes the next source (the next-newest step)."""
     from ray_elastic.checkpoint.host_writes import HostRestore
     from ray_elastic.errors import CheckpointDamaged
-    from ray_elastic.membership import Membership, StateSource
+    from ray_elastic.control.membership import Membership, StateSource
 
     class Backend:
         def load(self, slices, source, timeout_s):

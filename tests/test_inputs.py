@@ -1,5 +1,5 @@
 """A worker's apply/reduce inputs, fetched by the call itself so that the
-controller can make it give up (ray_elastic/inputs.py), on a real Ray
+controller can make it give up (ray_elastic/worker/inputs.py), on a real Ray
 cluster: an input that is still coming is waited for until an abort, which
 ends the wait at once; inputs that are there, or fail, come back as Ray
 gives them."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 
-from ray_elastic.inputs import InputsAborted, fetch_inputs
+from ray_elastic.worker.inputs import InputsAborted, fetch_inputs
 
 pytestmark = pytest.mark.cluster
 
@@ -80,7 +80,7 @@ def test_ray_s_client_failing_is_an_input_lost(cluster, monkeypatch):
     take for the program's own error: they become InputsLost, a node loss
     to the failure locator. (The OSError is raised by a stand-in for
     ray.wait here; the e2e chaos runs met the real one.)"""
-    from ray_elastic.inputs import InputsLost
+    from ray_elastic.worker.inputs import InputsLost
 
     def broken(*a, **kw):
         raise OSError("Broken pipe")

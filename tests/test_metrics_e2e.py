@@ -19,10 +19,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_elastic import metrics as rm
+from ray_elastic.observe import metrics as rm
 from ray_elastic.callbacks import Callback
-from ray_elastic.metrics import STATE_CODES, STATES, MetricsCallback
-from ray_elastic.report import RunReport
+from ray_elastic.observe.metrics import STATE_CODES, STATES, MetricsCallback
+from ray_elastic.observe.report import RunReport
 
 # -- the callback's logic, with fake metric objects -----------------------------------
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from ray_elastic import ElasticConfig
 from ray_elastic.errors import FailureKind
-from ray_elastic.pipelining import next_assignment
-from ray_elastic.policy import SlicesView
-from ray_elastic.step_runner import StepRunner, _Issued
+from ray_elastic.control.pipelining import next_assignment
+from ray_elastic.control.policy import SlicesView
+from ray_elastic.dispatch.step_runner import StepRunner, _Issued
 from tests.test_controller import run
 
 TWO = {0: (0,), 1: (1,)}

@@ -1,4 +1,4 @@
-"""Unit tests for ray_elastic.policy.decide: pure, no cluster, time as floats."""
+"""Unit tests for ray_elastic.control.policy.decide: pure, no cluster, time as floats."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted
-from ray_elastic.policy import (
+from ray_elastic.control.policy import (
     Continue,
     Fail,
     Grow,

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from ray_elastic.progress import ProgressCallback
-from ray_elastic.report import FailureRecord, RunReport
+from ray_elastic.observe.progress import ProgressCallback
+from ray_elastic.observe.report import FailureRecord, RunReport
 
 
 class FakeStream(io.StringIO):

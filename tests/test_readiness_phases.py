@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
-from ray_elastic.backend import SliceUp
-from ray_elastic.membership import Membership
-from ray_elastic.slice_group import _phases
+from ray_elastic.cluster.backend import SliceUp
+from ray_elastic.control.membership import Membership
+from ray_elastic.cluster.slice_group import _phases
 
 
 def test_slice_phases_take_the_slowest_host_and_the_report_delay():
@@ -45,7 +45,7 @@ def test_process_start_is_on_the_wall_clock():
 
     import pytest
 
-    from ray_elastic.readiness import _process_started_at
+    from ray_elastic.worker.readiness import _process_started_at
 
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("no /proc")
@@ -59,7 +59,7 @@ _FIRST = ("process_start", "actor_load", "args_load", "warm_process")
 
 
 def test_a_new_process_reports_its_start_and_loads():
-    from ray_elastic.readiness import readiness_phases
+    from ray_elastic.worker.readiness import readiness_phases
 
     # Created at 100; the process started 0.3 s later, loaded the worker's
     # module at 101.5 and ran its constructor at 102.7.
@@ -75,7 +75,7 @@ def test_a_warm_process_reports_its_taking_not_its_age():
     """A warm pool's process started 50 s before the actor's creation, with
     the worker's module imported ahead: its first phase is warm_process,
     the creation to the constructor, never a negative process_start."""
-    from ray_elastic.readiness import readiness_phases
+    from ray_elastic.worker.readiness import readiness_phases
 
     out = readiness_phases(100.0, 52.0, 100.45, _MARKS, process_at=50.0)
     assert out["warm_process"] == 0.45
@@ -90,7 +90,7 @@ def test_a_warm_process_reports_its_taking_not_its_age():
 def test_phases_across_two_clocks_are_never_negative():
     """The creation is on the driver's clock, the rest on the worker's: a
     worker whose clock runs behind still reports durations >= 0."""
-    from ray_elastic.readiness import readiness_phases
+    from ray_elastic.worker.readiness import readiness_phases
 
     behind = readiness_phases(100.0, 99.5, 99.96, [("setup_start", 99.97), ("imports", 99.95)], process_at=99.0)
     assert behind == {"warm_process": 0.0, "queue": 0.01, "imports": 0.0}
@@ -101,7 +101,7 @@ def test_a_workers_phases_from_its_own_process():
     """SliceWorker._phases reads this process's start from the kernel: an
     actor created after it is in a process started ahead (warm), one
     created before it in a process started for it."""
-    from ray_elastic.readiness import _process_started_at, readiness_phases
+    from ray_elastic.worker.readiness import _process_started_at, readiness_phases
 
     started = _process_started_at()
     if started is None:

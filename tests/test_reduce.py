@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from ray_elastic.step_runner import APPLY_FAN_IN
-from ray_elastic.reduction import reduce_pieces
+from ray_elastic.dispatch.step_runner import APPLY_FAN_IN
+from ray_elastic.worker.reduction import reduce_pieces
 
 
 def _payload(shards, rng_seed=0):

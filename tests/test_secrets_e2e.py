@@ -123,9 +123,9 @@ def secret_env(cluster, nodes, monkeypatch, tmp_path):
 
 def test_no_secret_in_events_report_metrics_or_logs(cluster, lm_factory, secret_env, tmp_path, monkeypatch):
     from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
-    from ray_elastic import metrics as rm
-    from ray_elastic.events import EventLog
-    from ray_elastic.metrics import MetricsCallback
+    from ray_elastic.observe import metrics as rm
+    from ray_elastic.observe.events import EventLog
+    from ray_elastic.observe.metrics import MetricsCallback
 
     since = time.time() - 1
     calls: list = []

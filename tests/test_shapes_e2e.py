@@ -110,8 +110,7 @@ def reduction_tree(monkeypatch):
     """A reduction tree in every step (4 shards over fan-in 2), so that a
     fault in the reduction phase has a tree to hit; every run here sums in
     the same tree, so their results compare bitwise."""
-    from ray_elastic import step_runner
-
+    from ray_elastic.dispatch import step_runner
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
 
 

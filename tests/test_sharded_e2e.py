@@ -120,8 +120,7 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     nothing fetched into the driver, even with one slice left (resize after
     the kill, snapshots every step), but the final state this test asks for
     (`keep_final_state`: one part per host, fetched after the last step)."""
-    from ray_elastic import ray_backend
-
+    from ray_elastic.cluster import ray_backend
     cluster.ensure_nodes(2 * HOSTS)
     fetched = []
     real = ray_backend.RayBackend.fetch

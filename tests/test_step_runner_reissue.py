@@ -11,11 +11,11 @@ import types
 import pytest
 from ray import exceptions as rex
 
-import ray_elastic.step_runner as step_runner
+import ray_elastic.dispatch.step_runner as step_runner
 from ray_elastic.errors import SliceFailure
-from ray_elastic.failure_location import FailureLocator
-from ray_elastic.slice_group import LiveSlice
-from ray_elastic.step_runner import StepRunner
+from ray_elastic.failures.location import FailureLocator
+from ray_elastic.cluster.slice_group import LiveSlice
+from ray_elastic.dispatch.step_runner import StepRunner
 
 
 class Ref:
@@ -213,7 +213,7 @@ def test_after_a_failure_the_calls_issued_ahead_give_up_whatever_was_lost(runner
     (no abort for them), but the reductions issued ahead for step 1 wait
     for gradients nobody will read, on the threads the survivors' status
     calls need: they are told to give up. A node loss gives up on all."""
-    from ray_elastic.inputs import Aborts
+    from ray_elastic.worker.inputs import Aborts
 
     calls: list = []
     live = _slices({("apply dies", 1, 0)}, calls)

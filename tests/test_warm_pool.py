@@ -1,4 +1,4 @@
-"""The warm pool (warm_pool.py): the workers' set-up hook, and on a real
+"""The warm pool (worker/warm_pool.py): the workers' set-up hook, and on a real
 cluster, a replacement for a SIGKILLed worker starting in the idle process
 its predecessor asked for, with the program's modules already imported."""
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from ray_elastic import ConfigError, ElasticConfig
-from ray_elastic.warm_pool import PRELOAD_ENV, STAMP_ENV, hook_env, preload
+from ray_elastic.worker.warm_pool import PRELOAD_ENV, STAMP_ENV, hook_env, preload
 
 
 def test_hook_env_preloads_the_factorys_module_through_partials():
@@ -22,9 +22,9 @@ def test_hook_env_preloads_the_factorys_module_through_partials():
 
     env = hook_env(functools.partial(functools.partial(lm.make_program), lm.LMConfig()))
     modules = env[PRELOAD_ENV].split(",")
-    assert modules[-1] == "examples.lm" and "jax" in modules and "ray_elastic.worker" in modules
+    assert modules[-1] == "examples.lm" and "jax" in modules and "ray_elastic.worker.actor" in modules
     (hook,) = [v for k, v in env.items() if k not in (PRELOAD_ENV, STAMP_ENV)]
-    assert hook == "ray_elastic.warm_pool.preload"
+    assert hook == "ray_elastic.worker.warm_pool.preload"
 
 
 def test_hook_env_preloads_no_user_module_where_accelerators_are_assigned_later():
@@ -39,7 +39,7 @@ def test_hook_env_preloads_no_user_module_where_accelerators_are_assigned_later(
 
 def test_a_gpu_slices_workers_preload_only_the_base_modules():
     from ray_elastic.config import GpuSlice
-    from ray_elastic.slice_group import RaySlices
+    from ray_elastic.cluster.slice_group import RaySlices
     import examples.lm as lm
 
     env = RaySlices(GpuSlice(), lm.make_program, 0, 1, "t", warm_workers=1)._env
@@ -124,7 +124,7 @@ def _up(slices, timeout_s=180.0):
 @pytest.mark.skipif(not os.path.exists("/proc"), reason="reads /proc")
 def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(nodes, lm_factory):
     from ray_elastic.config import CpuSlice
-    from ray_elastic.slice_group import RaySlices
+    from ray_elastic.cluster.slice_group import RaySlices
 
     tag = f"RAY_ELASTIC_TEST_POOL=warm-{os.getpid()}-{time.time()}"
 

@@ -54,6 +54,10 @@ def _idle_class_reversible() -> bool:
     return bool(result and result[0])
 
 
+# Whether this process may leave the idle class again: probed once.
+_REVERSIBLE: Optional[bool] = None
+
+
 class background_cpu:
     """Run a block in Linux's idle CPU class: its threads then take only
     CPU time nothing else wants, so a periodic save where the writer shares
@@ -64,17 +68,16 @@ class background_cpu:
     where the process may leave the class again; elsewhere the block runs
     in the normal class."""
 
-    _reversible: Optional[bool] = None
-
     def __init__(self, grace_s: float):
         self.grace_s = grace_s
         self.escalated = False
         self._timer: Optional[threading.Timer] = None
 
     def __enter__(self):
-        if background_cpu._reversible is None:
-            background_cpu._reversible = _idle_class_reversible()
-        if not background_cpu._reversible:
+        global _REVERSIBLE
+        if _REVERSIBLE is None:
+            _REVERSIBLE = _idle_class_reversible()
+        if not _REVERSIBLE:
             return self
         # The timer thread stays in the normal class: it must run to lift
         # the block out of a CPU that is never idle.

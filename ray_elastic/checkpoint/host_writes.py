@@ -35,7 +35,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ray_elastic.checkpoint import integrity
-from ray_elastic.checkpoint.store import _ocp, _tree_size
+from ray_elastic.checkpoint.store import orbax_checkpoint, tree_size
 from ray_elastic.errors import CheckpointDamaged
 
 __all__ = ["HostCheckpoints", "HostRestore", "shard_sums"]
@@ -58,7 +58,7 @@ def shard_sums(tree) -> dict:
         for shard in leaf.addressable_shards:
             if shard.replica_id == 0:
                 total += integrity.sum32(np.asarray(shard.data), shard.index, leaf.shape)
-        out[integrity._name(path)] = {"sum32": total % (1 << 32), "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+        out[integrity.leaf_name(path)] = {"sum32": total % (1 << 32), "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
     return out
 
 
@@ -73,7 +73,7 @@ class HostCheckpoints:
     def _manager(self):
         from etils import epath
 
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
         if self._mgr is not None:
             self._mgr.reload()  # another slice may have saved since
             return self._mgr
@@ -93,7 +93,7 @@ class HostCheckpoints:
         slice calls this with the same key)."""
         if self.hosts == 1:
             return {k: dict(v, sum32=f"{v['sum32']:08x}") for k, v in parts.items()}
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
         client = ocp.multihost.get_jax_distributed_client()
         client.key_value_set(f"{key}/{self.host}", json.dumps(parts))
         totals = {k: dict(v) for k, v in parts.items()}
@@ -109,7 +109,7 @@ class HostCheckpoints:
         """Write this host's shards of `state` (global arrays) as `step`,
         with every other host of the slice; returns when the step is
         committed (host 0) or this host's part is written (the others)."""
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
         t0 = time.perf_counter()
         checksums = {"version": 2, "arrays": self._totals(f"ray_elastic/save/{save_id}", shard_sums(state))}
         mgr = self._manager()
@@ -132,7 +132,7 @@ class HostCheckpoints:
         if self.host == 0:
             from etils import epath
 
-            out["bytes"] = _tree_size(epath.Path(self.path) / str(step))[0]
+            out["bytes"] = tree_size(epath.Path(self.path) / str(step))[0]
         return out
 
     def restore(self, step: int, target: dict, nonce: str) -> tuple[dict, dict]:
@@ -142,7 +142,7 @@ class HostCheckpoints:
         saved."""
         from etils import epath
 
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
         recorded = integrity.recorded_arrays(epath.Path(self.path), step)
         restored = self._manager().restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))

@@ -37,7 +37,7 @@ from typing import Any, Optional
 from ray_elastic.errors import CheckpointDamaged, StorageError
 
 __all__ = [
-    "ITEM", "MANIFEST", "MARKER", "array_checksums", "sum32", "check_arrays", "write_manifest",
+    "ITEM", "MANIFEST", "MARKER", "array_checksums", "leaf_name", "sum32", "check_arrays", "write_manifest",
     "check_files", "mark_damaged", "read_marker", "is_damaged_name", "is_outage", "looks_corrupt",
     "file_in_error", "describe", "as_record", "recorded_arrays", "diagnose",
 ]
@@ -67,7 +67,7 @@ def is_damaged_name(name: str) -> bool:
 # -- arrays -------------------------------------------------------------------
 
 
-def _name(path) -> str:
+def leaf_name(path) -> str:
     """A leaf's path as `opt_state/1/0/mu/w`: the same whether the tree is
     the program's own (named tuples) or Orbax's restore without a template
     (dicts and lists), so the CLI can check arrays without the program."""
@@ -136,7 +136,7 @@ def array_checksums(tree, kind: str = "crc32") -> dict:
             value = f"{sum32(a):08x}"
         else:
             value = _crc(a)
-        out[_name(path)] = {kind: value, "shape": list(a.shape), "dtype": str(a.dtype)}
+        out[leaf_name(path)] = {kind: value, "shape": list(a.shape), "dtype": str(a.dtype)}
     return out
 
 

@@ -27,7 +27,9 @@ from typing import Any, Callable, Optional
 from ray_elastic.checkpoint import integrity
 from ray_elastic.errors import CheckpointDamaged, StorageError
 
-__all__ = ["CheckpointStore", "StepInfo", "STORAGE_ENV", "assemble", "refresh_listings", "unflatten"]
+__all__ = [
+    "CheckpointStore", "StepInfo", "STORAGE_ENV", "assemble", "orbax_checkpoint", "refresh_listings", "tree_size", "unflatten",
+]
 
 log = logging.getLogger("ray_elastic")
 # gcsfs warns on every call when no cloud credentials exist (an emulator, a
@@ -42,7 +44,7 @@ STORAGE_ENV = ("STORAGE_EMULATOR_HOST", "TENSORSTORE_GCS_HTTP_URL", "GOOGLE_CLOU
 _import_lock = threading.Lock()
 
 
-def _ocp():
+def orbax_checkpoint():
     """orbax.checkpoint, imported once under a lock: its package import is
     not thread-safe, and the writer serves calls on two threads."""
     with _import_lock:
@@ -161,7 +163,7 @@ class CheckpointStore:
     def steps(self, sizes: bool = False) -> list[StepInfo]:
         """Every step folder, committed or not, oldest first. `sizes` walks
         each folder for its bytes and time (for listings, not saves)."""
-        ostep = _ocp().path.step
+        ostep = orbax_checkpoint().path.step
         self._fresh_listing()
 
         out = []
@@ -174,7 +176,7 @@ class CheckpointStore:
                 continue
             damaged = integrity.is_damaged_name(name)
             committed = not damaged and (not ostep.is_tmp_checkpoint(child)) and ostep.is_checkpoint_finalized(child)
-            size, mtime = _tree_size(child) if sizes else (0, 0.0)
+            size, mtime = tree_size(child) if sizes else (0, 0.0)
             out.append(StepInfo(int(number), committed, size, mtime, name, damaged))
         return sorted(out, key=lambda s: (s.step, s.name))
 
@@ -200,7 +202,7 @@ class CheckpointStore:
     # -- save and restore ----------------------------------------------------
 
     def _new_manager(self):
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
         return ocp.CheckpointManager(
             self.dir,
             options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, enable_async_checkpointing=False),
@@ -229,7 +231,7 @@ class CheckpointStore:
         writer shares CPUs with it). After any failure the manager is
         dropped and the folder swept before the next attempt: a failed save
         is never cached, and a half-written step never lingers."""
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
 
         t0 = time.perf_counter()
         checksums = {"version": 1, "arrays": integrity.array_checksums(state)}
@@ -265,7 +267,7 @@ class CheckpointStore:
                 self._sleep(wait)
                 wait *= 2
         seconds = time.perf_counter() - t0
-        size, _ = _tree_size(self.dir / str(step))
+        size, _ = tree_size(self.dir / str(step))
         return {"step": step, "seconds": seconds, "bytes": size}
 
     def _write_manifest(self, step: int) -> None:
@@ -288,7 +290,7 @@ class CheckpointStore:
         return self._restore_checked(step, template)
 
     def _restore_checked(self, step: int, template: Any) -> tuple[Any, dict]:
-        ocp = _ocp()
+        ocp = orbax_checkpoint()
 
         self._drop_manager()  # a restore reads what is on storage now
         # Cheap first (sizes, metadata digests): most damage is named
@@ -345,7 +347,7 @@ class CheckpointStore:
         from jax.sharding import SingleDeviceSharding
 
         try:
-            meta = _ocp().StandardCheckpointer().metadata(self.dir / str(step) / "state")
+            meta = orbax_checkpoint().StandardCheckpointer().metadata(self.dir / str(step) / "state")
         except Exception:
             return None
         one = SingleDeviceSharding(jax.devices()[0])
@@ -394,7 +396,7 @@ def _read_meta(store: "CheckpointStore", step: int) -> dict:
     return json.loads((store.dir / str(step) / "meta" / "metadata").read_text())
 
 
-def _tree_size(path, depth: int = 6) -> tuple[int, float]:
+def tree_size(path, depth: int = 6) -> tuple[int, float]:
     """Bytes and newest mtime under a step folder (a small, bounded walk:
     epath refuses recursive globs on GCS)."""
     total, mtime = 0, 0.0
@@ -402,7 +404,7 @@ def _tree_size(path, depth: int = 6) -> tuple[int, float]:
         for p in path.iterdir():
             if p.is_dir():
                 if depth:
-                    t, m = _tree_size(p, depth - 1)
+                    t, m = tree_size(p, depth - 1)
                     total, mtime = total + t, max(mtime, m)
                 continue
             st = p.stat()
@@ -435,7 +437,7 @@ def unflatten(flat, template) -> dict:
 def assemble(parts, template) -> dict:
     """Whole arrays from the hosts' blocks of a sharded state (each part a
     host's `{"blocks": {(tag, leaf, block key): array}}`, as
-    ray_elastic.shards keys them; tag "p" params, "o" optimizer state).
+    ray_elastic.worker.shards keys them; tag "p" params, "o" optimizer state).
     Only the rescue to local disk uses it (coordinator.py), when the
     storage keeps failing: there the driver holds the whole state once."""
     import jax

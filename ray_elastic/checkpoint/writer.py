@@ -14,7 +14,7 @@ import os
 from typing import Any, Optional
 
 from ray_elastic.checkpoint.cpu_priority import background_cpu
-from ray_elastic.checkpoint.store import CheckpointStore, _ocp, unflatten
+from ray_elastic.checkpoint.store import CheckpointStore, orbax_checkpoint, unflatten
 
 __all__ = ["CheckpointWriter"]
 
@@ -46,7 +46,7 @@ class CheckpointWriter:
         (Normal CPU class: the run waits for this before its first step.)"""
         import jax  # noqa: F401
 
-        _ocp()
+        orbax_checkpoint()
         try:
             self.store.open()
         except Exception as e:  # the first save retries and reports it

@@ -21,7 +21,7 @@ def main():
     a = p.parse_args()
     from examples import lm
     from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=2)
     cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})

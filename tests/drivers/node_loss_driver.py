@@ -30,7 +30,7 @@ def main():
 
     from examples import lm
     from ray_elastic import ElasticConfig, ElasticTrainer, Fault
-    from ray_elastic.local_cluster import LocalCluster
+    from ray_elastic.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=2, health_checks=a.health_checks)
     seen: dict = {}

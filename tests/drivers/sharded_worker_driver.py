@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from examples.lm import LMConfig, make_program, sharded_layout  # noqa: E402
-from ray_elastic.worker import SliceWorker  # noqa: E402
+from ray_elastic.worker.actor import SliceWorker  # noqa: E402
 
 sharding = sys.argv[1]
 factory = functools.partial(make_program, LMConfig(), sharded_layout(sharding))

@@ -10,8 +10,7 @@ import signal
 import threading
 from typing import Callable, Optional, Union
 
-from ray_elastic import drain
-
+from ray_elastic.cluster import drain
 __all__ = ["DriverStop", "SliceNotice", "PreemptionWatcher"]
 
 DRAIN_POLL_S = 0.5  # Ray's drain table is read at most this often

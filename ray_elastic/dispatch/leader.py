@@ -6,7 +6,7 @@ Ray, and a step makes two per slice plus the reduction tree (at 1024
 slices, 1.4 s of the driver's CPU per step; `python -m bench scale
 --floor`). With `slices_per_leader`, one leader per shard range makes its
 group's calls with a `StepRunner` of its own, and the driver makes about
-one call per leader per step (grouped_runner.py has the driver's side):
+one call per leader per step (dispatch/grouped_runner.py has the driver's side):
 
 - `step(k, top)`: the group's applies of step k, each taking a
   leader-owned copy of `top` (the driver's sum of every group's subtrees:
@@ -45,9 +45,10 @@ from typing import Mapping, Optional
 
 import ray
 
-from ray_elastic.errors import SliceFailure, StepAborted
-from ray_elastic.failure_location import FailureLocator, RayProbe
-from ray_elastic.step_runner import PartialStep, StepRunner, _Deadline, _Issued
+from ray_elastic.errors import SliceFailure
+from ray_elastic.failures.internal import StepAborted
+from ray_elastic.failures.location import FailureLocator, RayProbe
+from ray_elastic.dispatch.step_runner import PartialStep, StepRunner, _Deadline, _Issued
 
 __all__ = ["GroupLeader", "issue_subtrees"]
 

@@ -23,25 +23,23 @@ import time
 import uuid
 from typing import Callable, Optional, Sequence
 
-import ray
-
-from ray_elastic.backend import SliceBackend
+from ray_elastic.cluster.backend import SliceBackend
 from ray_elastic.callbacks import Callback, FunctionCallback
 from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
-from ray_elastic.data import assign_shards
+from ray_elastic.dispatch.assignment import assign_shards
 from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted, StateLoadFailed
-from ray_elastic.faults import Fault, FaultInjector, check_faults
-from ray_elastic.membership import Membership, StateSource
-from ray_elastic.pipelining import next_assignment
-from ray_elastic.policy import Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
-from ray_elastic.preemption import DriverStop, PreemptionWatcher, SliceNotice
+from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
+from ray_elastic.control.membership import Membership, StateSource
+from ray_elastic.control.pipelining import next_assignment
+from ray_elastic.control.policy import Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
+from ray_elastic.control.preemption import DriverStop, PreemptionWatcher, SliceNotice
 from ray_elastic.program import TrainProgram
-from ray_elastic.recording import ReportRecorder
-from ray_elastic.report import RunReport
-from ray_elastic.run_state import OpenFailure, RunState, Running, Stopping, Waiting
-from ray_elastic.snapshots import SnapshotStore
+from ray_elastic.observe.recording import ReportRecorder
+from ray_elastic.observe.report import RunReport
+from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting
+from ray_elastic.checkpoint.snapshots import SnapshotStore
 
 __all__ = ["ElasticTrainer", "Running", "Waiting", "Stopping"]
 
@@ -128,8 +126,10 @@ class ElasticTrainer:
     # -- the loop ---------------------------------------------------------
 
     def fit(self) -> RunReport:
-        if self._backend is None and not ray.is_initialized():
-            ray.init()
+        if self._backend is None:
+            from ray_elastic.cluster.ray_backend import connect
+
+            connect()
         for cb in self._callbacks:
             cb.on_start(self)
         self._t0 = self._clock()
@@ -187,7 +187,7 @@ class ElasticTrainer:
         return self.members.backend.hosts(slice_id)
 
     def _ray_backend(self) -> SliceBackend:
-        from ray_elastic.ray_backend import RayBackend
+        from ray_elastic.cluster.ray_backend import RayBackend
 
         c = self.config
         return RayBackend(

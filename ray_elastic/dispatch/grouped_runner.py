@@ -3,7 +3,7 @@
 With `slices_per_leader` set, the driver no longer calls every slice. The
 shards are cut into ranges (`data.leader_ranges`), one per leader; the
 live slices into as many groups (`data.leader_groups`), each computing its
-own range. A steady step is one call per leader (group_leader.py): the
+own range. A steady step is one call per leader (dispatch/leader.py): the
 driver sums the leaders' subtree tops of step k (the tree's last levels:
 a few calls on the slices' workers, issued on refs), makes the
 snapshotting slices' applies itself (so that it owns the snapshots), and
@@ -33,11 +33,12 @@ import ray
 from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from ray_elastic.data import leader_groups
-from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure, SumAgain
-from ray_elastic.failure_location import FailureLocator
-from ray_elastic.group_leader import GroupLeader
-from ray_elastic.step_runner import PartialStep, StepResult, StepRunner, _Deadline
+from ray_elastic.dispatch.assignment import leader_groups
+from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure
+from ray_elastic.failures.internal import SumAgain
+from ray_elastic.failures.location import FailureLocator
+from ray_elastic.dispatch.leader import GroupLeader
+from ray_elastic.dispatch.step_runner import PartialStep, StepResult, StepRunner, _Deadline
 
 __all__ = ["GroupedRunner"]
 

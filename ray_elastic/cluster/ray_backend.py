@@ -14,18 +14,25 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import ray
 from ray import exceptions as rex
 
-from ray_elastic.backend import SliceUp
+from ray_elastic.cluster.backend import SliceUp
 from ray_elastic.checkpoint.host_writes import HostRestore
 from ray_elastic.errors import CheckpointDamaged, ConfigError, RunFailed, StateLoadFailed
-from ray_elastic.data import leader_ranges
-from ray_elastic.failure_location import FailureLocator, RayProbe, ping_ref, short
-from ray_elastic.grouped_runner import GroupedRunner
-from ray_elastic.slice_group import LiveSlice, Provisioning, RaySlices
-from ray_elastic.step_runner import StepResult, StepRunner
+from ray_elastic.dispatch.assignment import leader_ranges
+from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short
+from ray_elastic.dispatch.grouped_runner import GroupedRunner
+from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices
+from ray_elastic.dispatch.step_runner import StepResult, StepRunner
 
-__all__ = ["RayBackend"]
+__all__ = ["RayBackend", "connect"]
 
 log = logging.getLogger("ray_elastic")
+
+
+def connect() -> None:
+    """Join the Ray cluster (`ray.init()`: the one this driver runs in, or a
+    new local one) unless this process already has."""
+    if not ray.is_initialized():
+        ray.init()
 
 
 class RayBackend:

@@ -4,7 +4,7 @@ recoveries marked, live slices on a second axis, loss underneath.
     ray-elastic timeline run.events.jsonl -o run.png     # an EventLog file
     ray-elastic timeline --report run.json -o run.png    # a RunReport JSON
 
-An events file (`ray_elastic.events.EventLog`) has a record per step, so the
+An events file (`ray_elastic.observe.events.EventLog`) has a record per step, so the
 step curve is exact, rewinds included. A report has only the kept steps'
 durations; the curve is rebuilt from them, pinned to the events' times (a
 step is never drawn before the event that preceded it, and a "recovered"
@@ -19,7 +19,7 @@ import os
 from typing import Any, NamedTuple, Optional
 
 from ray_elastic.errors import EventsFileError, TimelineInputError
-from ray_elastic.events import read_events
+from ray_elastic.observe.events import read_events
 
 __all__ = ["RunTimeline", "StepPoint", "load_timeline", "draw_timeline"]
 

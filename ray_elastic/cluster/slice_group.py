@@ -21,9 +21,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.config import CpuSlice, GpuSlice, SliceSpec, TpuSlice
 from ray_elastic.program import TrainProgram
-from ray_elastic.readiness import phase_seconds
-from ray_elastic.warm_pool import hook_env
-from ray_elastic.worker import SliceWorker
+from ray_elastic.worker.readiness import phase_seconds
+from ray_elastic.worker.warm_pool import hook_env
+from ray_elastic.worker.actor import SliceWorker
 
 __all__ = ["LiveSlice", "Provisioning", "RaySlices"]
 

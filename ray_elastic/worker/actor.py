@@ -27,14 +27,14 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ray_elastic.checkpoint.store import unflatten as _unflatten
-from ray_elastic.data import rows_fed
+from ray_elastic.dispatch.assignment import rows_fed
 from ray_elastic.errors import ConfigError
-from ray_elastic.inputs import Aborts, fetch_inputs
+from ray_elastic.worker.inputs import Aborts, fetch_inputs
 from ray_elastic.program import TrainProgram
-from ray_elastic.readiness import readiness_phases
-from ray_elastic.reduction import divided, reduce_pieces
-from ray_elastic.shards import from_local_blocks, local_blocks
-from ray_elastic.warm_pool import keep_warm
+from ray_elastic.worker.readiness import readiness_phases
+from ray_elastic.worker.reduction import divided, reduce_pieces
+from ray_elastic.worker.shards import from_local_blocks, local_blocks
+from ray_elastic.worker.warm_pool import keep_warm
 
 __all__ = ["SliceWorker"]
 
@@ -52,7 +52,7 @@ def _free_port() -> int:
 
 
 class SliceWorker:
-    """Plain class; `slice_group.py` turns it into a Ray actor (`ray.remote`)."""
+    """Plain class; `cluster/slice_group.py` turns it into a Ray actor (`ray.remote`)."""
 
     def __init__(
         self,
@@ -126,7 +126,7 @@ class SliceWorker:
     def setup(self, coordinator: Optional[str], compile_cache_dir: str = "", warm_workers: int = 0) -> dict:
         """Start JAX, build the program, compile the step, make step-0 state;
         then ask this host's raylet for `warm_workers` idle processes for a
-        replacement to start in (warm_pool.py), off the set-up's path.
+        replacement to start in (worker/warm_pool.py), off the set-up's path.
 
         Returns setup_s and `phases`: seconds per part of the way from the
         actor's creation to ready (see `_phases`)."""

@@ -15,9 +15,9 @@ import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
-from ray_elastic.backend import SliceBackend
+from ray_elastic.cluster.backend import SliceBackend
 from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
-from ray_elastic.snapshots import SnapshotStore
+from ray_elastic.checkpoint.snapshots import SnapshotStore
 
 __all__ = ["Membership", "StateSource"]
 

@@ -19,7 +19,7 @@ import queue
 import threading
 from typing import Callable
 
-from ray_elastic.errors import InputsAborted, InputsLost
+from ray_elastic.failures.internal import InputsAborted, InputsLost
 
 __all__ = ["Aborts", "InputsAborted", "InputsLost", "fetch_inputs", "POLL_S"]
 

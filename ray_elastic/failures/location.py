@@ -21,7 +21,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import ray
 from ray import exceptions as rex
 
-from ray_elastic.errors import FAILURE_TYPES, FailureKind, InputsAborted, InputsLost, SliceFailure
+from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
+from ray_elastic.failures.internal import InputsAborted, InputsLost
 
 __all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "ping_ref", "runtime_error",
            "short"]

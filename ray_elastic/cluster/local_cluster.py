@@ -18,7 +18,7 @@ from typing import Optional
 import ray
 from ray.cluster_utils import Cluster
 
-from ray_elastic.external_nodes import ExternalNodes
+from ray_elastic.cluster.external_nodes import ExternalNodes
 
 __all__ = ["LocalCluster"]
 

@@ -1,5 +1,5 @@
 """What the controller asks of the cluster, in its own terms: slices by id,
-never actor handles. `RayBackend` (ray_backend.py) is the real one;
+never actor handles. `RayBackend` (cluster/ray_backend.py) is the real one;
 tests drive the controller over a pure-Python fake of this interface."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping, Optional, Protocol, Sequence
 
-from ray_elastic.step_runner import StepResult
+from ray_elastic.dispatch.step_runner import StepResult
 
 __all__ = ["SliceBackend", "SliceUp"]
 

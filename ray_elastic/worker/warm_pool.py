@@ -53,7 +53,7 @@ STAMP_ENV = "RAY_ELASTIC_PRELOAD_STAMP"
 # replacement that takes one asks for the next.
 KEEP_ALIVE_S = 24 * 3600
 # Imported ahead in every worker process: what set-up imports anyway.
-BASE_MODULES = ("numpy", "jax", "optax", "ray_elastic.worker")
+BASE_MODULES = ("numpy", "jax", "optax", "ray_elastic.worker.actor")
 
 
 def _hook_var() -> Optional[str]:

@@ -27,7 +27,7 @@ def readiness_phases(created_at: Optional[float], module_at: float, init_at: flo
         factory: its module's imports, jax, flax and optax for the
         example) to the constructor running;
     - a process started before the actor's creation (a warm pool's
-      process, warm_pool.py, or another idle one Ray kept):
+      process, worker/warm_pool.py, or another idle one Ray kept):
       - warm_process: the driver creating the actor, which takes the
         process, to the constructor running: Ray handing the process the
         actor, its class and arguments loaded (what the warm pool

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 from ray_elastic.config import ElasticConfig
-from ray_elastic.policy import Continue, SlicesView, Tick, decide
+from ray_elastic.control.policy import Continue, SlicesView, Tick, decide
 
 __all__ = ["next_assignment"]
 

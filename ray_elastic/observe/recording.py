@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from ray_elastic.callbacks import Callback
-from ray_elastic.report import FailureRecord, RunReport
+from ray_elastic.observe.report import FailureRecord, RunReport
 
 __all__ = ["ReportRecorder"]
 

@@ -46,8 +46,9 @@ from typing import Any, Callable, Mapping, Optional
 import ray
 from ray import exceptions as rex
 
-from ray_elastic.errors import FailureKind, SliceFailure, StepAborted
-from ray_elastic.failure_location import TRANSIENT, FailureLocator, failure, short
+from ray_elastic.errors import FailureKind, SliceFailure
+from ray_elastic.failures.internal import StepAborted
+from ray_elastic.failures.location import TRANSIENT, FailureLocator, failure, short
 
 __all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner", "per_host", "senders"]
 
@@ -149,7 +150,7 @@ class StepRunner:
         self._epoch = 0
         self._step: Optional[int] = None  # the step last run: those after it were issued ahead
         # Asked between waits: True ends a gather with StepAborted (a group
-        # leader's call that its driver called off, group_leader.py).
+        # leader's call that its driver called off, dispatch/leader.py).
         self.aborted: Callable[[], bool] = lambda: False
 
     def drop_ahead(self) -> None:
