@@ -1,7 +1,7 @@
 """ray_elastic: keep multi-slice JAX training alive through hardware
 failures, with the Ray driver as the single controller."""
 
-from ray_elastic.callbacks import Callback
+from ray_elastic.callbacks import Callback, Phase, RunStatus
 from ray_elastic.checkpoint import CheckpointConfig
 from ray_elastic.errors import CheckpointSaveFailed, CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
@@ -30,6 +30,8 @@ from ray_elastic.observe.report import FailureRecord, RunReport
 
 __all__ = [
     "Callback",
+    "Phase",
+    "RunStatus",
     "CheckpointConfig",
     "CheckpointSaveFailed",
     "CheckpointStorageFailed",

@@ -5,9 +5,43 @@ what it needs and the control loop never grows for them."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 from typing import Any, Callable, Optional
 
-__all__ = ["Callback", "FunctionCallback"]
+__all__ = ["Callback", "FunctionCallback", "Phase", "RunStatus"]
+
+
+class Phase(str, enum.Enum):
+    """What a run is doing, as the controller announces it (`on_state`)."""
+
+    STARTING = "starting"  # reserving and setting up slices, first compile
+    TRAINING = "training"  # steps completing, no failure open
+    RECOVERING = "recovering"  # a failure is open: training on fewer slices, or redoing work
+    WAITING = "waiting"  # paused until a replacement slice is ready (policy "pause")
+    STOPPING = "stopping"  # a preemption notice: saving, then ending the run
+    DONE = "done"  # every requested step completed
+    FAILED = "failed"  # ended early: an error, or stopped by a preemption
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus:
+    """The run's state, announced by the controller each time it changes.
+
+    t: seconds since the run started, when this state began.
+    step: steps completed in the state the live slices hold.
+    live_slices: slices training now. pending: slices being replaced.
+    deadline_s: while WAITING, how long the policy waits for them.
+    reason: while STOPPING or FAILED, why.
+    """
+
+    phase: Phase
+    t: float
+    step: int
+    live_slices: int
+    pending: tuple[int, ...] = ()
+    deadline_s: Optional[float] = None
+    reason: str = ""
 
 
 class Callback:
@@ -16,6 +50,10 @@ class Callback:
 
     def on_event(self, event: dict) -> None:
         """A timeline event: {"t": seconds since start, "event": name, ...}."""
+
+    def on_state(self, status: RunStatus) -> None:
+        """The run's state changed (the controller's one model of it): starting,
+        training, recovering, waiting, stopping, done or failed."""
 
     def on_step(self, step: int, metrics: dict) -> None:
         """After every completed step. metrics: loss, slices, step_s."""

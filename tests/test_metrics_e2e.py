@@ -19,8 +19,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from ray_elastic.callbacks import Callback, Phase, RunStatus
 from ray_elastic.observe import metrics as rm
-from ray_elastic.callbacks import Callback
 from ray_elastic.observe.metrics import STATE_CODES, STATES, MetricsCallback
 from ray_elastic.observe.report import RunReport
 
@@ -70,6 +70,7 @@ def test_callback_tracks_a_run_with_a_failure(fake_metrics):
     cb.on_start(SimpleNamespace(steps=10))
     assert _state(f) == "starting" and _g(f, "steps_requested") == 10 and _g(f, "step") == 0
     cb.on_event({"t": 1.0, "event": "start", "slices": [0, 1]})
+    cb.on_state(RunStatus(Phase.TRAINING, 1.0, 0, 2))
     assert _state(f) == "training" and _g(f, "live_slices") == 2
     for k in range(1, 5):
         clock.now += 1.0
@@ -77,16 +78,20 @@ def test_callback_tracks_a_run_with_a_failure(fake_metrics):
     assert _g(f, "step") == 4 and _g(f, "loss") == 1.0 and _g(f, "step_seconds") == 0.5
     assert _g(f, "goodput") == pytest.approx(2.0 / 4.0)
     cb.on_event({"t": 5.0, "event": "detected", "kind": "process_died", "slice": 1, "host": 0, "step": 4})
+    cb.on_state(RunStatus(Phase.RECOVERING, 5.0, 4, 1, pending=(1,)))
     assert _state(f) == "recovering" and _g(f, "live_slices") == 1
     assert _g(f, "failures", kind="process_died") == 1
     cb.on_event({"t": 5.1, "event": "rewind", "from_step": 4, "to_step": 3})
     assert _g(f, "step") == 3 and _g(f, "rewound") == 1
     cb.on_event({"t": 5.2, "event": "wait", "deadline_s": 60.0, "step": 3})
+    cb.on_state(RunStatus(Phase.WAITING, 5.2, 3, 1, pending=(1,), deadline_s=60.0))
     assert _state(f) == "waiting"
     cb.on_event({"t": 9.0, "event": "grow", "joined": [1], "slices": [0, 1], "step": 3})
+    cb.on_state(RunStatus(Phase.RECOVERING, 9.0, 3, 2, pending=(1,)))
     assert _state(f) == "recovering" and _g(f, "live_slices") == 2
     clock.now = 10.0
     cb.on_event({"t": 10.0, "event": "recovered", "slice": 1, "step": 4, "recovered_s": 5.5})
+    cb.on_state(RunStatus(Phase.TRAINING, 10.0, 4, 2))
     cb.on_step(4, {"loss": 1.0, "slices": 2, "step_s": 0.5})
     assert _state(f) == "training" and _g(f, "last_recovery") == 5.5
     assert f["recovery"].observed == [((("run", "r"),), 5.5)]
@@ -95,6 +100,7 @@ def test_callback_tracks_a_run_with_a_failure(fake_metrics):
     cb.on_event({"t": 10.5, "event": "checkpoint_saved", "step": 4})  # unknown: counted, no harm
     assert _g(f, "events", event="checkpoint_saved") == 1 and _state(f) == "training"
     report = RunReport(policy="pause", num_slices=2, steps_requested=10, steps_completed=10, wall_s=20.0, productive_s=5.0)
+    cb.on_state(RunStatus(Phase.DONE, 20.0, 10, 2))
     cb.on_end(report)
     assert _state(f) == "done" and _g(f, "step") == 10 and _g(f, "goodput") == 0.25
     cb.close()
@@ -108,6 +114,7 @@ def test_failed_run_and_refresh_thread_stops(fake_metrics):
     fake_metrics["step"].values.clear()
     time.sleep(0.1)
     assert _g(fake_metrics, "step") == 0  # set again by the refresher
+    cb.on_state(RunStatus(Phase.FAILED, 3.0, 3, 2, reason="gave up"))
     cb.on_end(RunReport(policy="pause", num_slices=2, steps_requested=10, steps_completed=3, error="gave up"))
     assert _state(fake_metrics) == "failed"
     thread.join(timeout=5)
@@ -205,8 +212,8 @@ class ScrapeGate(Callback):
                 ("ray_elastic_live_slices",): 2.0,
             }, GATE_TIMEOUT_S)
 
-    def on_event(self, event):
-        if event["event"] == "detected":
+    def on_state(self, status):
+        if status.phase == Phase.RECOVERING and "detected" not in self.results:
             self.results["detected"] = _wait_for_series(self.port, self.run, {
                 ("ray_elastic_state", ("state", "recovering")): 1.0,
                 ("ray_elastic_state", ("state", "training")): 0.0,
@@ -269,3 +276,10 @@ def _check_final(port, run, report):
     assert abs(last[("ray_elastic_loss",)] - report.final_loss) < 1e-6
     assert last[("ray_elastic_events_total", ("event", "detected"))] == 1.0
     assert last[("ray_elastic_events_total", ("event", "recovered"))] == 1.0
+
+
+def test_every_phase_has_a_state_code():
+    """The gauge's states are the controller's phases, and the first six
+    keep their codes (dashboards read them)."""
+    assert set(STATES) == {p.value for p in Phase}
+    assert STATES[:6] == ("starting", "training", "waiting", "recovering", "done", "failed")

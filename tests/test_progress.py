@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from ray_elastic.callbacks import Phase, RunStatus
 from ray_elastic.observe.progress import ProgressCallback
 from ray_elastic.observe.report import FailureRecord, RunReport
 
@@ -61,22 +62,27 @@ def _run_with_failure(p: ProgressCallback, clock: FakeClock, stream: FakeStream,
     threads = _start(p, _trainer())
     p.on_event({"t": 0.1, "event": "reserve", "slices": 2})
     p.on_event({"t": 2.0, "event": "start", "slices": [0, 1]})
+    p.on_state(RunStatus(Phase.TRAINING, 2.0, 0, 2))
     for s in range(1, 4):
         p.on_step(s, {"loss": 3.0 - s * 0.1, "slices": 2, "step_s": 0.25})
     p.on_event({"t": 3.0, "event": "fault", "kind": "kill", "slice": 1, "host": 0, "step": 3})
     p.on_event({"t": 3.2, "event": "detected", "kind": "process_died", "slice": 1, "host": 0, "step": 3, "detected_s": 0.2})
     p.on_event({"t": 3.3, "event": "replace", "slice": 1})
     p.on_event({"t": 3.4, "event": "wait", "deadline_s": 120.0, "step": 3})
+    p.on_state(RunStatus(Phase.WAITING, 3.4, 3, 1, pending=(1,), deadline_s=120.0))
     if check_wait is not None:
         check_wait()
     p.on_event({"t": 9.0, "event": "slice_ready", "slice": 1, "setup_s": 5.6})
     p.on_event({"t": 9.5, "event": "grow", "joined": [1], "slices": [0, 1], "step": 3})
-    p.on_step(4, {"loss": 2.6, "slices": 2, "step_s": 0.3})
+    p.on_state(RunStatus(Phase.RECOVERING, 9.5, 3, 2, pending=(1,)))
     p.on_event({"t": 9.9, "event": "recovered", "slice": 1, "step": 4, "recovered_s": 6.9})
+    p.on_state(RunStatus(Phase.TRAINING, 9.9, 4, 2))
+    p.on_step(4, {"loss": 2.6, "slices": 2, "step_s": 0.3})
     p.on_event({"t": 10.0, "event": "checkpoint_saved", "step": 4})
     for s in range(5, 11):
         p.on_step(s, {"loss": 2.6 - s * 0.1, "slices": 2, "step_s": 0.25})
     p.on_event({"t": 12.0, "event": "end", "steps": 10})
+    p.on_state(RunStatus(Phase.DONE, 12.0, 10, 2))
     rec = FailureRecord(kind="process_died", slice=1, host=0, step=3, detected_s=0.2, recovered_s=6.9)
     p.on_end(_report(failures=[rec]))
     return threads

@@ -38,7 +38,7 @@ from ray_elastic.control.preemption import DriverStop, PreemptionWatcher, SliceN
 from ray_elastic.program import TrainProgram
 from ray_elastic.observe.recording import ReportRecorder
 from ray_elastic.observe.report import RunReport
-from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting
+from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting, status
 from ray_elastic.checkpoint.snapshots import SnapshotStore
 
 __all__ = ["ElasticTrainer", "Running", "Waiting", "Stopping"]
@@ -122,6 +122,10 @@ class ElasticTrainer:
         self._held = None  # (partial step, its failure): finished when paused slices are back
         self._t_step = 0.0  # when the step in flight started
         self._t0 = 0.0
+        self._started, self._outcome, self._error = False, "", ""
+        self._announced = None  # the RunStatus callbacks saw last
+        self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
+        self.members: Optional[Membership] = None  # made by fit()
 
     # -- the loop ---------------------------------------------------------
 
@@ -173,6 +177,7 @@ class ElasticTrainer:
             raise
         finally:
             self._preemption.uninstall()
+            self._outcome, self._error = outcome, error
             self._event("end", steps=self.step, outcome=outcome, **({"error": error} if error else {}))
             self._snapshots.close()
             if self._ckpt is not None:
@@ -199,6 +204,20 @@ class ElasticTrainer:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
         for cb in self._callbacks:
             cb.on_event(event)
+        self._announce()
+
+    def _announce(self) -> None:
+        """Tell callbacks the run's state when it has changed: their one model of it."""
+        live = len(self.members.live) if self.members is not None else 0
+        failures = self._open + ([self._handling] if self._handling is not None else [])
+        now = status(self._state, failures, self._started, self._outcome, self._clock() - self._t0,
+                     self.step, live, self._error)
+        last = self._announced
+        if last is not None and (last.phase, last.pending, last.deadline_s) == (now.phase, now.pending, now.deadline_s):
+            return
+        self._announced = now
+        for cb in self._callbacks:
+            cb.on_state(now)
 
     def _view(self) -> SlicesView:
         m = self.members
@@ -235,6 +254,7 @@ class ElasticTrainer:
                 setting="num_slices",
             )
         m.go_live(training if training <= m.ready else set(sorted(m.ready)[: self.config.num_slices]))
+        self._started = True
         self._event("start", slices=sorted(m.live), spares=sorted(m.ready))
 
     def _step_boundary(self) -> bool:
@@ -248,6 +268,7 @@ class ElasticTrainer:
             new = sorted(d.slices - m.live)
             if self._join(new) and (new or isinstance(self._state, Waiting)):
                 self._state = Running(fresh=True)
+                self._announce()
                 held, self._held = self._held, None
                 if held is not None and held[0].step == self.step and held[1] in self._open:
                     self._finish_in_flight(*held)
@@ -342,6 +363,7 @@ class ElasticTrainer:
                 restored_from=f.restored_from, slices_after=len(m.live),
             )
         self._open.clear()
+        self._announce()
         self._report_step(result, t_end - t_start)
 
     def _report_step(self, result, step_s: float) -> None:
@@ -368,6 +390,7 @@ class ElasticTrainer:
         fired = self._injector.last_for(f.slice_id)
         # Measured from the injected fault, else from its first sign.
         t_fault = fired.at if fired is not None and fired.fault.step == f.step else now
+        open_failure = self._handling = OpenFailure(f.slice_id, f.step, t_fault)
         self._event(
             "detected", kind=f.kind.value, slice=f.slice_id, host=f.host, step=f.step,
             detected_s=round(now - t_fault, 4), cause=f.cause,
@@ -375,7 +398,6 @@ class ElasticTrainer:
         log.warning("%s", f)
         d = decide(SliceLost(f.slice_id, f.kind, f.step), self._view(), self.config, now)
         self.retries += 1
-        open_failure = OpenFailure(f.slice_id, f.step, t_fault)
         if isinstance(d, Fail):
             self.members.live.discard(f.slice_id)
             self.members.backend.retire(f.slice_id)
@@ -389,17 +411,20 @@ class ElasticTrainer:
             self._reconcile(unreachable=f.kind.value in ("node_died", "hung"))
         except SliceFailure as again:  # another slice went while we looked
             self._open.append(open_failure)
+            self._handling = None
             return self._recover(again)
         if isinstance(d, Shrink):
             self._event("shrink", slices=sorted(self.members.live), step=self.step)
         elif isinstance(d, Wait) and not isinstance(self._state, Waiting):
-            self._state = Waiting(since=now)
+            self._state = Waiting(since=now, until=d.deadline)
             self._event("wait", deadline_s=round(d.deadline - now, 3), step=self.step)
         if not isinstance(self._state, Waiting):
             self._state = Running(fresh=True)
         open_failure.steps_rewound = (f.step + 1 if in_flight else f.step) - self.step
         open_failure.restored_from = "live" if self.members.live else "pending"
         self._open.append(open_failure)
+        self._handling = None
+        self._announce()
         if in_flight and self.step == f.step + 1:  # the survivors had applied the step: it counts
             done = self.members.backend.applied(f.step, sorted(self.members.live))
             if done is not None:
@@ -516,6 +541,7 @@ class ElasticTrainer:
         notice = self._preemption.check(self.members.hosts(), self._clock(), time.time())
         if isinstance(notice, DriverStop):
             self._state = Stopping(notice.reason)
+            self._announce()
             self._stop_for_preemption(notice.reason)
             return True
         if isinstance(notice, SliceNotice):

@@ -1,12 +1,15 @@
-"""The controller's run state (`Running`, `Waiting`, `Stopping`) and the
-failures whose recovery is still open: plain data the controller keeps."""
+"""The controller's run state (`Running`, `Waiting`, `Stopping`), the
+failures whose recovery is still open, and how both read to a user: the
+one `RunStatus` the controller announces to callbacks (`status`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
-__all__ = ["OpenFailure", "RunState", "Running", "Stopping", "Waiting"]
+from ray_elastic.callbacks import Phase, RunStatus
+
+__all__ = ["OpenFailure", "RunState", "Running", "Stopping", "Waiting", "status"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,6 +20,7 @@ class Running:
 @dataclasses.dataclass(frozen=True)
 class Waiting:
     since: float  # training paused for replacements since then
+    until: Optional[float] = None  # when the policy stops waiting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,3 +41,27 @@ class OpenFailure:
     steps_rewound: int = 0
     restored_from: str = ""
     compute_redone: Optional[float] = None  # None: steps_rewound whole steps
+
+
+def status(state: RunState, open_failures: Sequence[OpenFailure], started: bool, outcome: str,
+           t: float, step: int, live_slices: int, error: str = "") -> RunStatus:
+    """The user's view of the run (callbacks' `on_state`), from the
+    controller's own state. outcome: "" while the run goes on, else the
+    end's ("completed", "failed", "preempted")."""
+    pending = tuple(sorted({f.slice_id for f in open_failures}))
+    deadline_s, reason = None, ""
+    if outcome:
+        phase = Phase.DONE if outcome == "completed" else Phase.FAILED
+        reason = error or ("" if outcome == "completed" else outcome)
+    elif isinstance(state, Stopping):
+        phase, reason = Phase.STOPPING, state.reason
+    elif isinstance(state, Waiting):
+        phase = Phase.WAITING
+        deadline_s = None if state.until is None else round(state.until - state.since, 3)
+    elif pending:
+        phase = Phase.RECOVERING
+    elif started:
+        phase = Phase.TRAINING
+    else:
+        phase = Phase.STARTING
+    return RunStatus(phase, round(t, 4), step, live_slices, pending, deadline_s, reason)

@@ -45,13 +45,15 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ray_elastic.callbacks import Callback
+from ray_elastic.callbacks import Callback, RunStatus
 
 __all__ = ["MetricsCallback", "STATES", "STATE_CODES", "PROMETHEUS_PREFIX"]
 
 log = logging.getLogger("ray_elastic")
 
-STATES = ("starting", "training", "waiting", "recovering", "done", "failed")
+# The controller's phases (callbacks.Phase); new ones go at the end, so a
+# dashboard's codes keep their meaning.
+STATES = ("starting", "training", "waiting", "recovering", "done", "failed", "stopping")
 STATE_CODES = {s: i for i, s in enumerate(STATES)}
 PROMETHEUS_PREFIX = "ray_"  # what Ray adds in front of application metrics
 
@@ -163,6 +165,9 @@ class MetricsCallback(Callback):
     def on_event(self, event: dict) -> None:
         self._guard(lambda: self._on_event(event))
 
+    def on_state(self, status: RunStatus) -> None:
+        self._guard(lambda: self._on_state(status))
+
     def on_step(self, step: int, metrics: dict) -> None:
         self._guard(lambda: self._on_step(step, metrics))
 
@@ -180,17 +185,9 @@ class MetricsCallback(Callback):
             self._set("live_slices", len(e["slices"]))
         if isinstance(e.get("spares"), (list, tuple)):
             self._set("spare_slices", len(e["spares"]))
-        if name == "start":
-            self._set_state("training")
-        elif name == "detected":
+        if name == "detected":
             self._m["failures"].inc(1, tags={"run": self.run_name, "kind": str(e.get("kind", "unknown"))})
             self._set("live_slices", max(0, self._gauges.get("live_slices", 1) - 1))
-            self._set_state("recovering")
-        elif name == "wait":
-            self._set_state("waiting")
-        elif name in ("shrink", "grow"):
-            # Training goes on; "recovered" comes with the next completed step.
-            self._set_state("recovering")
         elif name == "rewind":
             dropped = int(e.get("from_step", 0)) - int(e.get("to_step", 0))
             if dropped > 0:
@@ -203,7 +200,12 @@ class MetricsCallback(Callback):
             if isinstance(rec, (int, float)):
                 self._m["recovery"].observe(float(rec), tags={"run": self.run_name})
                 self._set("last_recovery", float(rec))
-            self._set_state("training")
+        self._flush()
+
+    def _on_state(self, status: RunStatus) -> None:
+        if self._m is None:
+            return
+        self._set_state(status.phase.value)
         self._flush()
 
     def _on_step(self, step: int, m: dict) -> None:
@@ -221,20 +223,14 @@ class MetricsCallback(Callback):
         elapsed = self._clock() - (self._t_start or 0.0)
         if elapsed > 0:
             self._set("goodput", min(1.0, sum(self._durations) / elapsed))
-        if self._state == "starting":
-            # After a failure the controller emits "recovered" (which sets
-            # "training") just before this hook, so only the start is left.
-            self._set_state("training")
         self._flush()
 
     def _on_end(self, report: Any) -> None:
         if self._m is None:
             return
-        ok = not getattr(report, "error", "") and getattr(report, "steps_completed", 0) >= getattr(report, "steps_requested", 0)
         self._set("step", getattr(report, "steps_completed", self._gauges.get("step", 0)))
         if getattr(report, "wall_s", 0) > 0:
             self._set("goodput", float(report.goodput))
-        self._set_state("done" if ok else "failed")
         self._flush()
         self._t_end = self._clock()
 

@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TextIO
 
-from ray_elastic.callbacks import Callback
+from ray_elastic.callbacks import Callback, Phase, RunStatus
 
 __all__ = ["ProgressCallback"]
 
@@ -79,7 +79,7 @@ class ProgressCallback(Callback):
         self._num_slices: Optional[int] = None
         self._step_s: Optional[float] = None
         self._recent: list[float] = []  # recent step times, for the ETA
-        self._mode = "starting"  # starting | training | recovering | waiting | done
+        self._mode = Phase.STARTING  # as the controller last announced (on_state)
         self._since: float = self._clock()  # when the current mode began
         self._wait_deadline_s: Optional[float] = None
         self._pending: list[int] = []  # slices being replaced
@@ -90,7 +90,7 @@ class ProgressCallback(Callback):
     def on_start(self, trainer: Any) -> None:
         config = getattr(trainer, "config", None)
         self._num_slices = getattr(config, "num_slices", None)
-        self._set_mode("starting")
+        self._set_mode(Phase.STARTING)
         if self.tty:
             self._draw()
             self._stop.clear()
@@ -107,12 +107,9 @@ class ProgressCallback(Callback):
                 self._slices = len(e["slices"])
             if isinstance(e.get("spares"), list):
                 self._spares = len(e["spares"])
-            if name == "start":
-                self._set_mode("training")
-            elif name == "detected":
+            if name == "detected":
                 important = True
                 self._slices = max(0, (self._slices or 1) - 1)
-                self._set_mode("recovering")
                 lines.append(
                     f"[{t:8.2f} s] slice {e.get('slice')} failed ({e.get('kind')}) at step {e.get('step')}, "
                     f"detected in {_num(e.get('detected_s'), '.2f')} s"
@@ -123,30 +120,24 @@ class ProgressCallback(Callback):
                     self._pending.append(s)
             elif name == "wait":
                 important = True
-                self._set_mode("waiting")
-                self._wait_deadline_s = e.get("deadline_s")
                 lines.append(
                     f"[{t:8.2f} s] waiting for a replacement of slice {self._pending_text()} "
-                    f"(up to {_num(self._wait_deadline_s, '.0f')} s)"
+                    f"(up to {_num(e.get('deadline_s'), '.0f')} s)"
                 )
             elif name == "shrink":
                 important = True
-                self._set_mode("recovering")
                 lines.append(f"[{t:8.2f} s] training on {self._slices} slice(s) while slice {self._pending_text()} is replaced")
             elif name == "grow":
                 joined = e.get("joined") or []
                 self._pending = [s for s in self._pending if s not in joined]
                 important = True
                 lines.append(f"[{t:8.2f} s] slice(s) {', '.join(map(str, joined))} joined at step {e.get('step')}: {self._slices} live")
-                if self._mode == "waiting":
-                    self._set_mode("recovering")
             elif name == "rewind":
                 important = True
                 self._step = int(e.get("to_step", self._step))
                 lines.append(f"[{t:8.2f} s] rewound from step {e.get('from_step')} to {e.get('to_step')}")
             elif name == "recovered":
                 important = True
-                self._set_mode("training")
                 lines.append(
                     f"[{t:8.2f} s] recovered: step {e.get('step')} done {_num(e.get('recovered_s'), '.2f')} s "
                     f"after the fault, on {self._slices} slice(s)"
@@ -161,6 +152,15 @@ class ProgressCallback(Callback):
             elif self.tty:
                 self._draw()
 
+    def on_state(self, status: RunStatus) -> None:
+        with self._lock:
+            if status.phase != self._mode:
+                self._set_mode(status.phase)
+            self._wait_deadline_s = status.deadline_s
+            self._slices = status.live_slices
+            if self.tty:
+                self._draw()
+
     def on_step(self, step: int, metrics: dict) -> None:
         with self._lock:
             self._step = step
@@ -169,8 +169,6 @@ class ProgressCallback(Callback):
             self._step_s = metrics.get("step_s")
             if isinstance(self._step_s, (int, float)):
                 self._recent = (self._recent + [float(self._step_s)])[-20:]
-            if self._mode == "starting":
-                self._set_mode("training")
             if self.tty:
                 self._draw()
 
@@ -180,7 +178,7 @@ class ProgressCallback(Callback):
             self._thread.join(timeout=5)
         self._thread = None
         with self._lock:
-            self._mode = "done"
+            self._mode = Phase.DONE
             done = getattr(report, "steps_completed", self._step)
             req = getattr(report, "steps_requested", self.total)
             error = getattr(report, "error", "")
@@ -202,14 +200,14 @@ class ProgressCallback(Callback):
     def message(self, text: str) -> None:
         """Print a line of one's own (above the live line in a terminal)."""
         with self._lock:
-            self._print([text], redraw=self.tty and self._mode != "done")
+            self._print([text], redraw=self.tty and self._mode not in (Phase.DONE, Phase.FAILED))
 
     # -- drawing ---------------------------------------------------------------------
 
-    def _set_mode(self, mode: str) -> None:
+    def _set_mode(self, mode: Phase) -> None:
         self._mode = mode
         self._since = self._clock()
-        if mode != "waiting":
+        if mode != Phase.WAITING:
             self._wait_deadline_s = None
 
     def _pending_text(self) -> str:
@@ -223,24 +221,26 @@ class ProgressCallback(Callback):
             frac = min(1.0, self._step / total)
             filled = int(round(frac * self.width))
             parts = [f"step {self._step}/{self.total} [{'#' * filled}{'.' * (self.width - filled)}] {frac * 100:3.0f}%"]
-            if self._mode == "starting":
+            if self._mode == Phase.STARTING:
                 parts.append(f"starting {_fmt_s(now - self._since)}")
             if self._loss is not None:
                 parts.append(f"loss {_num(self._loss, '.4f')}")
             if self._slices is not None:
                 parts.append(f"slices {self._slices}" + (f"/{self._num_slices}" if self._num_slices else "")
                              + (f" +{self._spares} spare" if self._spares else ""))
-            if self._mode == "waiting":
+            if self._mode == Phase.WAITING:
                 text = f"waiting {_fmt_s(now - self._since)} for slice {self._pending_text()}"
                 if isinstance(self._wait_deadline_s, (int, float)):
                     text += f" (timeout {_fmt_s(self._wait_deadline_s)})"
                 parts.append(text)
-            elif self._mode == "recovering":
+            elif self._mode == Phase.STOPPING:
+                parts.append(f"stopping {_fmt_s(now - self._since)}")
+            elif self._mode == Phase.RECOVERING:
                 parts.append(f"recovering {_fmt_s(now - self._since)}")
             else:
                 if self._step_s is not None:
                     parts.append(f"{self._step_s:.2f} s/step")
-                if self._recent and self._mode == "training" and self._step < self.total:
+                if self._recent and self._mode == Phase.TRAINING and self._step < self.total:
                     avg = sum(self._recent) / len(self._recent)
                     parts.append(f"eta {_fmt_s(avg * (self.total - self._step))}")
             if self._note:
