@@ -17,7 +17,7 @@ ActorDiedError`: a call on a tombstone actor, started once and killed, so
 the controller's classification and recovery paths run unchanged.
 
     slices = FakeSlices.configured(fail=[(step, slice_id), ...])
-    report = ElasticTrainer(factory, config, steps, slices_backend=slices).fit()
+    report = Controller(factory, config, steps, seams=Seams(provisioner=slices)).fit()
     slices.instances[0].fake_s      # seconds the fakes spent in their own calls
     slices.instances[0].fake_cpu_s  # the same in process CPU time
 

@@ -67,7 +67,8 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     less disturbed than wall time by other load on a shared machine."""
     import ray
 
-    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic import ElasticConfig
+    from ray_elastic.control.controller import Controller, Seams
     from ray_elastic.callbacks import Callback
     from bench.fake_slices import FakeSlices
 
@@ -109,7 +110,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
                            first_step_deadline_s=600.0, step_deadline_floor_s=60.0,
                            slices_per_leader=slices_per_leader)
     t0 = time.perf_counter()
-    trainer = ElasticTrainer(_no_program, config, steps, callbacks=[Probe()], slices_backend=backend)
+    trainer = Controller(_no_program, config, steps, callbacks=[Probe()], seams=Seams(provisioner=backend))
     saved = os.environ.get("RAY_ELASTIC_PIPELINE")
     if pipeline is not None:
         os.environ["RAY_ELASTIC_PIPELINE"] = "1" if pipeline else "0"

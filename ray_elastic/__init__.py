@@ -5,7 +5,7 @@ from ray_elastic.callbacks import Callback, Phase, RunStatus
 from ray_elastic.checkpoint import CheckpointConfig
 from ray_elastic.errors import CheckpointSaveFailed, CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
-from ray_elastic.control.controller import ElasticTrainer
+from ray_elastic.trainer import ElasticTrainer
 from ray_elastic.errors import (
     ConfigError,
     ElasticError,

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from ray_elastic import ElasticConfig, ElasticTrainer
+from ray_elastic import ElasticConfig
+from ray_elastic.control.controller import Controller, Seams
 from ray_elastic.cluster.backend import SliceUp
 from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted, StateLoadFailed
 from ray_elastic.failures.location import failure
@@ -138,7 +139,7 @@ class FakeBackend:
 def run(config: ElasticConfig, steps: int = 10, **backend_args):
     clock = FakeClock()
     backend = FakeBackend(clock, config.num_slices, **backend_args)
-    trainer = ElasticTrainer(lambda: None, config, steps, backend=backend, clock=clock)
+    trainer = Controller(lambda: None, config, steps, seams=Seams(clock=clock, backend=backend))
     return trainer, backend
 
 
@@ -212,7 +213,7 @@ def test_losing_every_slice_restores_the_newest_snapshot():
 
 
 def test_run_state_is_typed():
-    from ray_elastic.control.controller import Running, Waiting
+    from ray_elastic.control.states import Running, Waiting
 
     trainer, backend = run(ElasticConfig(num_slices=2, policy="pause", timeout_s=60), steps=6)
     seen = []

@@ -96,7 +96,7 @@ LAYERS = [
     ("ray_elastic.worker",),
     ("ray_elastic.cluster",),
     ("ray_elastic.control",),
-    ("ray_elastic", "ray_elastic.cli", "ray_elastic.cli_options", "ray_elastic.retry"),
+    ("ray_elastic", "ray_elastic.trainer", "ray_elastic.cli", "ray_elastic.cli_options", "ray_elastic.retry"),
 ]
 
 # Private names of Ray's own, each used in one place for a reason given

@@ -8,7 +8,8 @@ import io
 
 import pytest
 
-from ray_elastic import ElasticConfig, ElasticTrainer, ProgressCallback
+from ray_elastic import ElasticConfig, ProgressCallback
+from ray_elastic.control.controller import Controller, Seams
 from ray_elastic.callbacks import Callback, Phase
 from ray_elastic.errors import FailureKind, ReplacementTimeout
 
@@ -39,7 +40,7 @@ def fit(config, steps, fail_at=(), capacity=True, callbacks=()):
     backend.fail_at.update(dict(fail_at))
     backend.capacity = capacity
     rec = Recorder()
-    trainer = ElasticTrainer(lambda: None, config, steps, backend=backend, clock=clock, callbacks=[rec, *callbacks])
+    trainer = Controller(lambda: None, config, steps, callbacks=[rec, *callbacks], seams=Seams(clock=clock, backend=backend))
     return trainer, rec
 
 

@@ -17,6 +17,7 @@ slices, the snapshots and the step count.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import statistics
 import time
@@ -24,7 +25,7 @@ import uuid
 from typing import Callable, Optional, Sequence
 
 from ray_elastic.cluster.backend import SliceBackend
-from ray_elastic.callbacks import Callback, FunctionCallback
+from ray_elastic.callbacks import Callback
 from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
@@ -34,6 +35,7 @@ from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
 from ray_elastic.control.policy import Fail, Grow, Shrink, SliceLost, SlicesView, Tick, Wait, decide
+from ray_elastic.control.saves import Saves
 from ray_elastic.control.preemption import DriverStop, PreemptionWatcher, SliceNotice
 from ray_elastic.program import TrainProgram
 from ray_elastic.observe.recording import ReportRecorder
@@ -41,50 +43,43 @@ from ray_elastic.observe.report import RunReport
 from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting, status
 from ray_elastic.checkpoint.snapshots import SnapshotStore
 
-__all__ = ["ElasticTrainer", "Running", "Waiting", "Stopping"]
+__all__ = ["Controller", "Seams"]
 
 log = logging.getLogger("ray_elastic")
 
 
-class ElasticTrainer:
-    """Train `steps` steps of the program on `config.num_slices` slices,
-    surviving failures by `config.policy`.
+@dataclasses.dataclass(frozen=True)
+class Seams:
+    """What tests and benchmarks put in place of the real thing.
 
-    program_factory: a picklable zero-argument callable returning the
-        TrainProgram; it runs inside each worker.
-    faults: injected failures (tests, demo, benchmarks).
-    remove_node, freeze_node: callbacks that remove or freeze a node, for
-        those faults (LocalCluster.remove_node / freeze_node).
-    on_step: called in the driver after every completed step with
-        (step, loss, live slice count).
-    on_event: called in the driver's main thread with each timeline event
-        (a dict with "t" and "event"), e.g. to add a replacement node.
-    callbacks: `Callback` objects (progress, metrics, event logs).
-    checkpoint: durable Orbax checkpoints (CheckpointConfig); with one, a
-        new run on the same path resumes from its newest committed step.
-    keep_final_state: fetch the final training state (host numpy arrays)
-        into `self.final_state` before the workers are torn down.
-    slices_backend: the class that provisions slices on Ray (default
-        RaySlices); the scale benchmark passes simulated slices.
+    clock: the controller's time (a fake one steps through timeouts).
     backend: the whole cluster side (a SliceBackend); tests pass a fake.
+    provisioner: the class that provisions slices on Ray (default
+        RaySlices); the scale benchmark passes simulated slices.
     """
+
+    clock: Callable[[], float] = time.monotonic
+    backend: Optional[SliceBackend] = None
+    provisioner: Optional[type] = None
+
+
+class Controller:
+    """The control loop behind `ElasticTrainer` (ray_elastic/trainer.py,
+    where its arguments are described), with the seams tests use."""
 
     def __init__(
         self,
         program_factory: Callable[[], TrainProgram],
         config: ElasticConfig,
         steps: int,
-        faults: tuple[Fault, ...] = (),
-        remove_node: Optional[Callable[[str], None]] = None,
-        on_step: Optional[Callable[[int, float, int], None]] = None,
-        on_event: Optional[Callable[[dict], None]] = None,
-        keep_final_state: bool = False,
+        *,
         callbacks: Sequence[Callback] = (),
         checkpoint: Optional[CheckpointConfig] = None,
-        clock: Callable[[], float] = time.monotonic,
-        slices_backend: Optional[type] = None,
-        backend: Optional[SliceBackend] = None,
+        keep_final_state: bool = False,
+        faults: Sequence[Fault] = (),
+        remove_node: Optional[Callable[[str], None]] = None,
         freeze_node: Optional[Callable[[str], None]] = None,
+        seams: Seams = Seams(),
     ):
         if not isinstance(steps, int) or steps < 1:
             raise ConfigError("steps", f"must be a positive integer, got {steps!r}")
@@ -94,7 +89,7 @@ class ElasticTrainer:
         self.config = config
         self.steps = steps
         self._factory = program_factory
-        self._clock = clock
+        self._clock = clock = seams.clock
         self._injector = FaultInjector(list(faults), remove_node, clock=clock, freeze_node=freeze_node)
         self.report = RunReport(
             policy=config.policy, num_slices=config.num_slices, steps_requested=steps, spare_slices=config.spare_slices,
@@ -102,12 +97,10 @@ class ElasticTrainer:
         # The recorder goes first, so every other callback's on_end sees a
         # complete report.
         self._callbacks: list[Callback] = [ReportRecorder(self.report), *callbacks]
-        if on_step is not None or on_event is not None:
-            self._callbacks.append(FunctionCallback(on_step, on_event))
         self._keep_final_state = keep_final_state
         self.final_state: Optional[dict] = None
-        self._provisioner = slices_backend
-        self._backend = backend
+        self._provisioner = seams.provisioner
+        self._backend = seams.backend
         self._run_name = f"ray_elastic-{uuid.uuid4().hex[:6]}"
         self._ckpt = None
         if checkpoint is not None:
@@ -148,6 +141,7 @@ class ElasticTrainer:
             backend, self._snapshots, self._event, checkpoints=self._ckpt,
             load_timeout_s=max(30.0, self.config.first_step_deadline_s),
         )
+        self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name)
         self._preemption.install()
         outcome, error = "completed", ""
         try:
@@ -169,7 +163,7 @@ class ElasticTrainer:
                     continue
                 self._after_step()
             else:
-                self._final_checkpoint()
+                self._saves.at_end(self.step)
             if self._keep_final_state and self.members.live:
                 self.final_state = backend.fetch(backend.state(min(self.members.live)))
         except RunFailed as e:
@@ -376,7 +370,7 @@ class ElasticTrainer:
         failure domains); every step while one slice holds the state."""
         c, live = self.config, self.members.live
         every = c.snapshot_every if len(live) < 2 else c.snapshot_every_replicated
-        due = (c.snapshot_every and step % every == 0) or self._checkpoint_due(step)
+        due = (c.snapshot_every and step % every == 0) or self._saves.due(step)
         if not due:
             return frozenset()
         takers = sorted(live)[:2]
@@ -404,7 +398,7 @@ class ElasticTrainer:
             raise d.error from f
         # A silent (frozen) node keeps its bundle of the slice's placement
         # group until Ray declares it dead: the replacement gets a new group.
-        new_group = bool(getattr(f, "node_silent", False))
+        new_group = f.node_silent
         self.members.lose(f.slice_id, new_group=new_group)
         self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))
         try:
@@ -431,7 +425,7 @@ class ElasticTrainer:
                 last = self.step >= self.steps  # the run ends here: nothing to wait for
                 self._complete_step(f.step, done, self._t_step, recovered=last or not isinstance(self._state, Waiting))
                 self._after_step()
-        partial = getattr(f, "partial", None)
+        partial = f.partial
         if not (in_flight and partial is not None and self.step == f.step):
             return
         if isinstance(d, Shrink) and self.config.batch_on_resize == "accumulate":
@@ -489,51 +483,15 @@ class ElasticTrainer:
 
     # -- checkpoints and preemption ----------------------------------------------
 
-    def _checkpoint_due(self, step: int) -> bool:
-        c = self._ckpt
-        if c is None:
-            return False
-        if c.config.due(step):
-            return True
-        return c.config.continuous and not c.busy() and step > (c.last_saved or 0)
-
     def _cold_start(self, step: int) -> None:
         """Resume a new run from the newest committed checkpoint."""
-        m = self.members
-        timeout_s = max(60.0, self.config.first_step_deadline_s)
-        # Older than asked, if that step proved damaged.
-        step = self._ckpt.load_into(lambda source: m.backend.load(sorted(m.live), source, timeout_s), step)
+        step = self._saves.cold_start(step, max(60.0, self.config.first_step_deadline_s), self.members.backend.load)
         self.step = step
         self._step_durations = [0.0] * step  # steps done by an earlier run
         self._event("restore", source="checkpoint", step=step, cold_start=True)
 
-    def _current_snapshot(self):
-        """A ref to the state of `self.step` (the newest snapshot if it is
-        current, else a copy asked from a live slice)."""
-        m = self.members
-        found = self._snapshots.restore_source(m.backend.node_alive)
-        if found is not None and found[0] == self.step:
-            return found[1]
-        return m.backend.state(min(m.live))
-
     def _after_step(self) -> None:
-        c = self._ckpt
-        if c is None:
-            return
-        c.poll()
-        if c.must_stop():
-            raise c.fail_with_rescue(self.step, self._current_snapshot(), self._run_name)
-        if not c.busy() and self._checkpoint_due(self.step):
-            c.submit(self.step, self._current_snapshot())
-
-    def _final_checkpoint(self) -> None:
-        c = self._ckpt
-        if c is None or not self.members.live:
-            return
-        if not c.config.save_at_end:  # a save in flight commits before the slices go
-            return c.poll(block_s=c.config.save_timeout_s)
-        if not c.save_now(self.step, self._current_snapshot(), timeout_s=300.0):
-            raise c.fail_with_rescue(self.step, self._current_snapshot(), self._run_name)
+        self._saves.after_step(self.step)
 
     def _take_notice(self) -> bool:
         """Handle a preemption notice at this step boundary. True when the
@@ -550,9 +508,7 @@ class ElasticTrainer:
 
     def _stop_for_preemption(self, reason: str) -> None:
         self._event("preempted", reason=reason, step=self.step)
-        saved = False
-        if self._ckpt is not None and self.members.live:
-            saved = self._ckpt.save_now(self.step, self._current_snapshot(), timeout_s=60.0)
+        saved = self._saves.now(self.step, timeout_s=60.0)
         self._event("preempt_saved" if saved else "preempt_unsaved", step=self.step)
 
     def _retire_preempted(self, n: SliceNotice) -> None:
@@ -560,9 +516,9 @@ class ElasticTrainer:
         then take the slice out at this step boundary: no step is redone."""
         self._event("preempt_notice", slice=n.slice_id, host=n.host, reason=n.reason,
                     deadline_s=round(n.left_s, 3), step=self.step)
-        if self._ckpt is not None:
-            t0 = self._clock()
-            ok = self._ckpt.save_now(self.step, self._current_snapshot(), timeout_s=max(1.0, n.left_s - 1.0))
+        t0 = self._clock()
+        ok = self._saves.now(self.step, timeout_s=max(1.0, n.left_s - 1.0))
+        if ok is not None:
             self._event(
                 "preempt_saved" if ok else "preempt_unsaved", step=self.step,
                 seconds=round(self._clock() - t0, 3), since_notice_s=round(time.time() - n.noticed_at, 3),

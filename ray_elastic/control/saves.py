@@ -1,0 +1,73 @@
+"""When the controller writes a durable checkpoint, and of what: after a
+step when one is due, at the end of the run, before a preemption takes a
+host, and from a checkpoint at a cold start. Without a CheckpointConfig
+every call is a no-op, so the loop reads the same either way."""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
+from ray_elastic.checkpoint.snapshots import SnapshotStore
+from ray_elastic.control.membership import Membership
+
+__all__ = ["Saves"]
+
+
+class Saves:
+    def __init__(self, ckpt: Optional[CheckpointCoordinator], snapshots: SnapshotStore, members: Membership,
+                 run_name: str):
+        self.ckpt = ckpt
+        self.snapshots = snapshots
+        self.members = members
+        self.run_name = run_name
+
+    def due(self, step: int) -> bool:
+        c = self.ckpt
+        if c is None:
+            return False
+        if c.config.due(step):
+            return True
+        return c.config.continuous and not c.busy() and step > (c.last_saved or 0)
+
+    def current(self, step: int):
+        """A ref to the state of `step` (the newest snapshot if it is that
+        step's, else a copy asked from a live slice)."""
+        m = self.members
+        found = self.snapshots.restore_source(m.backend.node_alive)
+        if found is not None and found[0] == step:
+            return found[1]
+        return m.backend.state(min(m.live))
+
+    def after_step(self, step: int) -> None:
+        """Take in a save that finished; start one if due and none is in flight."""
+        c = self.ckpt
+        if c is None:
+            return
+        c.poll()
+        if c.must_stop():
+            raise c.fail_with_rescue(step, self.current(step), self.run_name)
+        if not c.busy() and self.due(step):
+            c.submit(step, self.current(step))
+
+    def at_end(self, step: int) -> None:
+        c = self.ckpt
+        if c is None or not self.members.live:
+            return
+        if not c.config.save_at_end:  # a save in flight commits before the slices go
+            return c.poll(block_s=c.config.save_timeout_s)
+        if not c.save_now(step, self.current(step), timeout_s=300.0):
+            raise c.fail_with_rescue(step, self.current(step), self.run_name)
+
+    def now(self, step: int, timeout_s: float) -> Optional[bool]:
+        """Save `step` at once (a preemption notice); None: no checkpoints
+        configured or no live slice to save from."""
+        if self.ckpt is None or not self.members.live:
+            return None
+        return self.ckpt.save_now(step, self.current(step), timeout_s=timeout_s)
+
+    def cold_start(self, step: int, timeout_s: float, load: Callable) -> int:
+        """Load the newest committed checkpoint at or before `step` into the
+        live slices (an older one if that step proves damaged); its step."""
+        m = self.members
+        return self.ckpt.load_into(lambda source: load(sorted(m.live), source, timeout_s), step)
