@@ -259,7 +259,7 @@ class FakeSlices:
     instances: list = []  # every FakeSlices built from this class, in order
 
     def __init__(self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
-                 compile_cache_dir: str = ""):
+                 compile_cache_dir: str = "", warm_workers: int = 0):
         self.spec = spec
         self.num_shards = num_shards
         self.run_name = run_name
@@ -363,6 +363,12 @@ class FakeSlices:
 
     def placement_group_state(self, slice_id: int) -> str:
         return "CREATED"
+
+    def abandon_group(self, slice_id: int) -> None:
+        pass  # no placement groups: a simulated slice holds nothing on a node
+
+    def reap_abandoned(self) -> None:
+        pass
 
     def shutdown(self) -> None:
         pass

@@ -5,7 +5,6 @@ StepRunner, failures located by the FailureLocator."""
 
 from __future__ import annotations
 
-import inspect
 import logging
 import time
 import uuid
@@ -20,7 +19,7 @@ from ray_elastic.errors import CheckpointDamaged, ConfigError, RunFailed, StateL
 from ray_elastic.dispatch.assignment import leader_ranges
 from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
-from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices
+from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
 from ray_elastic.dispatch.step_runner import StepResult, StepRunner
 
 __all__ = ["RayBackend", "connect"]
@@ -43,10 +42,9 @@ class RayBackend:
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0,
     ):
         cls = provisioner or RaySlices
-        # A provisioner of the user's own (`slices_backend`) may not know it.
-        warm = {"warm_workers": warm_workers} if "warm_workers" in inspect.signature(cls).parameters else {}
-        self._slices = cls(
-            spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir, **warm,
+        self._slices: SliceProvisioner = cls(
+            spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
+            warm_workers=warm_workers,
         )
         self.locator = FailureLocator(RayProbe(), clock, sleep)
         self.runner = StepRunner(self.locator, clock)
@@ -68,13 +66,12 @@ class RayBackend:
 
     def start(self, slice_id: int, new_group: bool = False) -> None:
         self.retire(slice_id)
-        if new_group and hasattr(self._slices, "abandon_group"):
+        if new_group:
             self._slices.abandon_group(slice_id)
         self._coming[slice_id] = self._slices.start(slice_id)
 
     def poll(self, block_s: float = 0.0) -> list[SliceUp]:
-        if hasattr(self._slices, "reap_abandoned"):
-            self._slices.reap_abandoned()
+        self._slices.reap_abandoned()
         if block_s and self._coming:
             refs = [r for p in self._coming.values() for r in p.setup_refs]
             ray.wait(refs, num_returns=len(refs), timeout=block_s)
@@ -102,7 +99,7 @@ class RayBackend:
             if live is not None:
                 del self._coming[s]
                 self._up[s] = live
-                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3), dict(getattr(live, "phases", None) or {})))
+                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3), dict(live.phases)))
         return up
 
     def _restart(self, s: int, e: BaseException) -> None:

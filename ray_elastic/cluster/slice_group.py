@@ -1,5 +1,6 @@
-"""Ray behind one small interface: reserve a slice, bring its workers up,
-run a step phase on it, tear it down.
+"""Ray behind one small interface (`SliceProvisioner`): reserve a slice,
+bring its workers up, tear it down. The steps themselves are run by the
+dispatch layer on the workers this hands out.
 
 A slice is one placement group with one bundle per host (STRICT_SPREAD: a
 host per node), and it is the failure domain: any host failing fails the
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -25,7 +26,7 @@ from ray_elastic.worker.readiness import phase_seconds
 from ray_elastic.worker.warm_pool import hook_env
 from ray_elastic.worker.actor import SliceWorker
 
-__all__ = ["LiveSlice", "Provisioning", "RaySlices"]
+__all__ = ["LiveSlice", "Provisioning", "RaySlices", "SliceProvisioner"]
 
 # A sharded checkpoint's write runs on its own thread (host_writes.py);
 # `control` calls (abort_waits, liveness pings) reach a worker whose other
@@ -78,8 +79,35 @@ class Provisioning:
     started_at: float
 
 
+class SliceProvisioner(Protocol):
+    """What the Ray backend asks of whatever provisions slices: RaySlices,
+    or a drop-in such as the scale benchmark's simulated slices."""
+
+    def __init__(self, spec: SliceSpec, program_factory: Callable[[], TrainProgram], seed: int, num_shards: int,
+                 run_name: str, compile_cache_dir: str = "", warm_workers: int = 0): ...
+
+    def start(self, slice_id: int) -> Provisioning:
+        """Queue a slice's workers (on its placement group, made if new)."""
+
+    def poll(self, p: Provisioning) -> Optional[LiveSlice]:
+        """The slice once every host is set up; None while some are not."""
+
+    def kill(self, workers: list) -> None: ...
+
+    def abandon_group(self, slice_id: int) -> None:
+        """Leave the slice's placement group (a silent node holds a bundle);
+        the next start makes a new one."""
+
+    def reap_abandoned(self) -> None:
+        """Remove abandoned groups whose nodes Ray has declared dead."""
+
+    def placement_group_state(self, slice_id: int) -> str: ...
+
+    def shutdown(self) -> None: ...
+
+
 class RaySlices:
-    """Creates and removes the slices of one run."""
+    """Creates and removes the slices of one run (a SliceProvisioner)."""
 
     def __init__(
         self,
