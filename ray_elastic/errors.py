@@ -3,13 +3,17 @@
 
 Failures of workers are sorted once, where they enter the controller
 (`failures.location.FailureLocator.classify`), into the closed set `FailureKind`. Each exception
-carries plain data only (ints, strings), so it survives pickling between
-processes and can be caught in a notebook, a job driver, or a test.
+carries plain data (ints, strings), so it survives pickling between
+processes and can be caught in a notebook, a job driver, or a test. (A
+slice failure's `partial` is the exception: the calls of a step in
+flight, for the process that made them; a group leader keeps its own and
+sends the driver the failure without it.)
 """
 
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 __all__ = [
     "ElasticError",
@@ -59,22 +63,44 @@ class FailureKind(str, enum.Enum):
 
 
 class SliceFailure(ElasticError):
-    """A slice was lost. The controller catches these and recovers by policy."""
+    """A slice was lost. The controller catches these and recovers by policy.
+
+    Beside where and why, a failure carries what the controller's recovery
+    needs to know of it, set where it is found: `partial`, what the step
+    had done (dispatch.step_runner.PartialStep: the survivors' gradients,
+    kept so the step can be finished rather than redone); `node_silent`,
+    the host's node answers nothing (frozen or cut off: it keeps its
+    bundle of the slice's placement group, so the replacement needs a new
+    group); `leader_partial`, a group leader kept its group's survivors'
+    gradients (the partial itself stays on the leader)."""
 
     kind: FailureKind = FailureKind.PROCESS_DIED
 
-    def __init__(self, slice_id: int, host: int, step: int, cause: str):
+    def __init__(self, slice_id: int, host: int, step: int, cause: str, partial: Any = None,
+                 node_silent: bool = False, leader_partial: bool = False):
         self.slice_id = slice_id
         self.host = host
         self.step = step
         self.cause = cause
+        self.partial = partial
+        self.node_silent = node_silent
+        self.leader_partial = leader_partial
         super().__init__(
             f"slice {slice_id} host {host} failed at step {step} "
             f"({self.kind.value}): {cause}"
         )
 
     def __reduce__(self):
-        return (type(self), (self.slice_id, self.host, self.step, self.cause))
+        return (type(self), (self.slice_id, self.host, self.step, self.cause, self.partial, self.node_silent,
+                             self.leader_partial))
+
+    def replace(self, **changes: Any) -> "SliceFailure":
+        """A copy of this failure, of the same kind, with the fields named in
+        `changes` changed (as dataclasses.replace)."""
+        fields = dict(slice_id=self.slice_id, host=self.host, step=self.step, cause=self.cause,
+                      partial=self.partial, node_silent=self.node_silent, leader_partial=self.leader_partial)
+        fields.update(changes)
+        return type(self)(**fields)
 
 
 class WorkerProcessDied(SliceFailure):

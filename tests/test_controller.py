@@ -68,16 +68,16 @@ class FakeBackend:
         self.clock.now += self.step_s
         for s in slices:
             if (k, s) in self.fail_at:
-                f = failure(self.fail_at.pop((k, s)), s, 0, k, "injected")
-                f.node_silent = (k, s) in self.silent
+                kind = self.fail_at.pop((k, s))
                 if getattr(self, "applied_before_failure", False):  # the others applied the step
                     for t in slices:
                         if t != s:
                             self.held[t] = k + 1
                     self.applied_result = StepResult({(t, 0): {"loss": 1.0 / (k + 1)} for t in slices if t != s}, {})
+                partial = None
                 if self.partial_steps:  # the others finished their gradients
-                    f.partial = PartialStep(k, dict(assignment), {t: ("grads", t) for t in slices if t != s})
-                raise f
+                    partial = PartialStep(k, dict(assignment), {t: ("grads", t) for t in slices if t != s})
+                raise failure(kind, s, 0, k, "injected", partial=partial, node_silent=(k, s) in self.silent)
         assert sorted(sum((tuple(v) for v in assignment.values()), ())) == list(range(self.num_shards)), "every shard, every step"
         return self._complete(k, slices, takers)
 

@@ -49,6 +49,27 @@ def test_slice_failure_roundtrip(cls, roundtrip):
 
 
 @pytest.mark.parametrize("roundtrip", DUMPERS)
+@pytest.mark.parametrize("cls", SLICE_FAILURES)
+def test_slice_failure_fields_roundtrip(cls, roundtrip):
+    """What the dispatch layer finds with a failure (the step's partial
+    work, a silent node, gradients a group leader kept) is declared on
+    SliceFailure and survives pickling: a group leader sends its failures
+    to the driver through Ray."""
+    from ray_elastic.dispatch.step_runner import PartialStep
+
+    plain = roundtrip(cls(3, 1, 17, "gone"))
+    assert (plain.partial, plain.node_silent, plain.leader_partial) == (None, False, False)
+    partial = PartialStep(17, {0: (0,), 3: (1,)}, {0: {0: "grads of 0"}})
+    e = cls(3, 1, 17, "gone", partial=partial, node_silent=True, leader_partial=True)
+    back = roundtrip(e)
+    assert type(back) is cls and back.kind is cls.kind and str(back) == str(e)
+    assert back.partial == partial and back.node_silent is True and back.leader_partial is True
+    moved = back.replace(partial=None)  # as a leader sends one, its partial kept back
+    assert type(moved) is cls and moved.partial is None and moved.node_silent and moved.leader_partial
+    assert (moved.slice_id, moved.host, moved.step, moved.cause) == (3, 1, 17, "gone")
+
+
+@pytest.mark.parametrize("roundtrip", DUMPERS)
 @pytest.mark.parametrize("cls", RUN_FAILURES)
 def test_run_failed_roundtrip(cls, roundtrip):
     e = cls("ran out; raise max_retries", setting="max_retries")

@@ -111,8 +111,11 @@ def runtime_error(exc: BaseException) -> bool:
     return cause is not None and type(cause).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
 
 
-def failure(kind: FailureKind, slice_id: int, host: int, step: int, cause: str) -> SliceFailure:
-    return FAILURE_TYPES[kind](slice_id, host, step, cause)
+def failure(kind: FailureKind, slice_id: int, host: int, step: int, cause: str, partial: Any = None,
+            node_silent: bool = False) -> SliceFailure:
+    """The SliceFailure of this kind (SliceFailure has what the other
+    fields mean)."""
+    return FAILURE_TYPES[kind](slice_id, host, step, cause, partial=partial, node_silent=node_silent)
 
 
 def short(e: BaseException) -> str:
@@ -255,16 +258,15 @@ class FailureLocator:
             s, h = quiet
             node = live[s].infos[h]["node_id"]
             silent = self._node_silent(node)
-            f = failure(
-                FailureKind.HUNG, s, h, step,
-                f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
-                + ("does not answer either (frozen or cut off)" if silent else "answers"),
-            )
             # The slice's placement group holds a bundle on that node until
             # Ray declares it dead (minutes on Ray's defaults): its
             # replacement needs a new group (controller).
-            f.node_silent = silent
-            return f
+            return failure(
+                FailureKind.HUNG, s, h, step,
+                f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
+                + ("does not answer either (frozen or cut off)" if silent else "answers"),
+                node_silent=silent,
+            )
         s, h = min(candidates)
         return failure(FailureKind.HUNG, s, h, step, f"step did not finish within {deadline_s:.1f} s")
 
