@@ -454,32 +454,10 @@ class Controller:
         self._after_step()  # a checkpoint due at this step
 
     def _reconcile(self, unreachable: bool) -> None:
-        """Bring the survivors to one common step after a failure mid-step (during
-        the apply phase some may have applied it; `unreachable`: its node is gone)."""
-        m = self.members
-        if not m.live:
-            return
-        held = m.backend.held_steps(sorted(m.live), self.step, abort_waits=unreachable)
-        steps = set(held.values())
-        if len(steps) == 1 and -1 not in steps:
-            return self._rewind_to(steps.pop())
-        # A survivor ahead applied the whole step (an apply runs only with all
-        # its gradients): the others load its state (its snapshot, else its
-        # memory), nothing rolled back. No whole slice ahead: the snapshot.
-        newest, latest = max(steps), self._snapshots.latest_step()
-        found = self._snapshots.restore_source(m.backend.node_alive) if latest is not None else None
-        if latest == newest and found is not None:
-            target, source = newest, found[1]
-        elif newest >= 0:
-            target, source = newest, m.backend.state(min(s for s in m.live if held[s] == newest))
-        else:
-            target, source = latest or 0, found[1] if found else None
-        behind = [s for s in sorted(m.live) if held[s] != target]
-        try:
-            m.backend.load(behind, source, timeout_s=60)
-        except StateLoadFailed as e:
-            raise m.backend.locate(sorted(m.live), self.step, e) from None
-        self._rewind_to(target)
+        """Bring the survivors to one common step after a failure mid-step."""
+        target = self.members.reconcile(self.step, unreachable)
+        if target is not None:
+            self._rewind_to(target)
 
     # -- checkpoints and preemption ----------------------------------------------
 

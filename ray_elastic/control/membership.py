@@ -138,6 +138,34 @@ class Membership:
         self.go_live(set(new))
         return True
 
+    def reconcile(self, step: int, unreachable: bool) -> Optional[int]:
+        """After a failure mid-step, the step every survivor now holds (during
+        the apply phase some may have applied it; `unreachable`: the lost
+        slice's node is gone, so waits on it are given up); None: no survivor."""
+        if not self.live:
+            return None
+        held = self.backend.held_steps(sorted(self.live), step, abort_waits=unreachable)
+        steps = set(held.values())
+        if len(steps) == 1 and -1 not in steps:
+            return steps.pop()
+        # A survivor ahead applied the whole step (an apply runs only with all
+        # its gradients): the others load its state (its snapshot, else its
+        # memory), nothing rolled back. No whole slice ahead: the snapshot.
+        newest, latest = max(steps), self.snapshots.latest_step()
+        found = self.snapshots.restore_source(self.backend.node_alive) if latest is not None else None
+        if latest == newest and found is not None:
+            target, source = newest, found[1]
+        elif newest >= 0:
+            target, source = newest, self.backend.state(min(s for s in self.live if held[s] == newest))
+        else:
+            target, source = latest or 0, found[1] if found else None
+        behind = [s for s in sorted(self.live) if held[s] != target]
+        try:
+            self.backend.load(behind, source, timeout_s=60)
+        except StateLoadFailed as e:
+            raise self.backend.locate(sorted(self.live), step, e) from None
+        return target
+
     def hosts(self) -> dict[int, list[dict]]:
         """pid and node of every host of every live slice."""
         return {s: self.backend.hosts(s) for s in sorted(self.live)}
