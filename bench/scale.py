@@ -99,7 +99,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
             stamps.append((step,) + now())
             if step in (warmup, steps) and backend.instances:
                 clock_cpu[step] = backend.instances[-1].clock_cpu_s()
-                leaders = getattr(self.trainer.members.backend.runner, "_leaders", [])
+                leaders = getattr(self.trainer.members.backend.runner, "leaders", [])
                 if leaders:
                     leader_cpu[step] = sum(ray.get([x.cpu_s.remote() for x in leaders]))
 
@@ -342,6 +342,7 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
     import ray
 
     from ray_elastic.dispatch.step_runner import APPLY_FAN_IN
+    from ray_elastic.dispatch.tree import deeper
 
     @ray.remote(num_cpus=0)
     class Sink:
@@ -363,9 +364,9 @@ def submit_cost(num_slices: int, calls: Optional[int] = None) -> dict:
         reps = max(3, min(8, 4096 // num_slices))
         t0 = time.perf_counter()
         for _ in range(reps):
-            level, built = list(refs), False
-            while len(level) > APPLY_FAN_IN or (built and len(level) > 1):  # as StepRunner._deeper
-                built = True
+            level, built = list(refs), 0
+            while deeper(len(level), built, APPLY_FAN_IN):  # the runner's own test
+                built += 1
                 level = [sink.reduce.remote(0, (), level[j:j + APPLY_FAN_IN])
                          for j in range(0, len(level), APPLY_FAN_IN)]
             out = [sink.apply.options(num_returns=1).remote(0, False, list(level)) for _ in range(num_slices)]

@@ -172,8 +172,8 @@ def test_reduction_tree_pipelined_runs_through(nodes, lm_factory, monkeypatch):
     nodes(4)
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
     levels = []
-    real = step_runner.StepRunner._tree_level
-    monkeypatch.setattr(step_runner.StepRunner, "_tree_level",
+    real = step_runner.StepRunner.tree_level
+    monkeypatch.setattr(step_runner.StepRunner, "tree_level",
                         lambda self, k, live, nodes, host: (levels.append((k, len(nodes))), real(self, k, live, nodes, host))[1])
     trainer, report = _run(lm_factory, _config(policy="resize", num_slices=4))
     assert report.steps_completed == STEPS and not report.failures
@@ -196,8 +196,8 @@ def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     cfg = _config(policy="resize", num_slices=4)
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
     levels = []
-    real = step_runner.StepRunner._tree_level
-    monkeypatch.setattr(step_runner.StepRunner, "_tree_level",
+    real = step_runner.StepRunner.tree_level
+    monkeypatch.setattr(step_runner.StepRunner, "tree_level",
                         lambda self, k, live, nodes, host: (levels.append((k, len(nodes))), real(self, k, live, nodes, host))[1])
     tree, ref = _run(lm_factory, cfg)
     assert ref.steps_completed == STEPS and not ref.failures

@@ -11,16 +11,14 @@ import pytest
 
 from ray_elastic import ConfigError, ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_groups, leader_ranges
-
-
-def _deeper(n: int, built: int, fan: int) -> bool:  # StepRunner._deeper
-    return n > fan or (built > 0 and n > 1)
+from ray_elastic.dispatch.tree import deeper, refs_of
 
 
 def _levels(nodes: list, built: int, fan: int, stop=None) -> tuple[list, int]:
     """Reduce `nodes` (trees) level by level as StepRunner does, until
-    `stop` levels are built (None: as deep as the driver alone goes)."""
-    while (built < stop) if stop is not None else _deeper(len(nodes), built, fan):
+    `stop` levels are built (None: as deep as the driver alone goes, by
+    the runner's own `deeper`)."""
+    while (built < stop) if stop is not None else deeper(len(nodes), built, fan):
         nodes = [tuple(nodes[j:j + fan]) for j in range(0, len(nodes), fan)]
         built += 1
     return nodes, built
@@ -137,19 +135,20 @@ def _holding(parts, key):
     (8, 1000, 32, ()),
 ])
 def test_the_leaders_code_builds_the_drivers_tree(fan, shards, per_leader, lost):
-    """The real code, on fake workers: the driver alone (StepRunner._issue
-    over every live slice) against the leaders (data.assign_shards and
-    leader_groups, group_leader.issue_subtrees per group, then
-    GroupedRunner._issue_top), after losing the slices `lost`: the same
+    """The real code, on fake workers: the driver alone (StepRunner.issue_step
+    over every live slice) against the leaders (assignment.assign_shards and
+    leader_groups, leader.issue_subtrees per group, then
+    GroupedRunner.issue_top), after losing the slices `lost`: the same
     additions in the same order."""
     from ray_elastic.dispatch.leader import issue_subtrees
     from ray_elastic.dispatch.grouped_runner import GroupedRunner
     from ray_elastic.dispatch.step_runner import StepRunner
+    from ray_elastic.dispatch.tree import tops_of
 
     live = {s: _Slice(s) for s in range(shards) if s not in lost}
     flat = StepRunner(None, lambda: 0.0, fan_in=fan, pipeline=True)
-    issued = flat._issue(0, live, assign_shards(live, shards, "accumulate"))
-    (flat_top,) = issued.tops[0]
+    issued = flat.issue_step(0, live, assign_shards(live, shards, "accumulate"))
+    (flat_top,) = refs_of(issued.tops[0])
     ranges, depth = leader_ranges(shards, shards, per_leader, fan)
     assert len(ranges) >= 2
     assignment = assign_shards(live, shards, "accumulate", ranges)
@@ -157,7 +156,25 @@ def test_the_leaders_code_builds_the_drivers_tree(fan, shards, per_leader, lost)
     for slices, held in leader_groups(live, ranges):
         runner = StepRunner(None, lambda: 0.0, fan_in=fan, pipeline=True)
         part = issue_subtrees(runner, 0, {s: live[s] for s in slices}, {s: assignment[s] for s in slices}, held, depth)
-        tops += [(key, box[0]) for key, box in part.tops[0]]
+        tops += tops_of(part.tops[0])
     grouped = GroupedRunner(None, lambda: 0.0, ranges, depth, fan_in=fan)
-    [(key, top)], _ = grouped._issue_top(0, live, sorted(tops))
-    assert key == 0 and _structure(top, 0) == _structure(flat_top, 0)
+    [top], _ = grouped.issue_top(0, live, sorted(tops, key=lambda t: t.key))
+    assert top.key == 0 and _structure(top.ref, 0) == _structure(flat_top, 0)
+
+
+def test_leader_replies_cross_a_process_with_their_failure():
+    """A leader's answers are named dataclasses told apart by class, and a
+    failure keeps its fields on the way (no side channel): the driver
+    ranks it by phase and learns whether the group kept its gradients."""
+    from ray import cloudpickle
+
+    from ray_elastic.dispatch.replies import Applied, Failed, Phase, Ready
+    from ray_elastic.dispatch.tree import Top
+    from ray_elastic.errors import WorkerHung
+
+    failed = Failed(WorkerHung(4, 0, 9, "no answer", node_silent=True, leader_partial=True), Phase.GRADS)
+    back = cloudpickle.loads(cloudpickle.dumps(failed))
+    assert isinstance(back, Failed) and back.phase is Phase.GRADS
+    assert back.failure.node_silent and back.failure.leader_partial and back.failure.partial is None
+    assert cloudpickle.loads(cloudpickle.dumps(Ready((Top(0, "ref"),), 2))) == Ready((Top(0, "ref"),), 2)
+    assert cloudpickle.loads(cloudpickle.dumps(Applied({(0, 0): {"loss": 1.0}}, None))).next_tops is None

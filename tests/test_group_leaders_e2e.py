@@ -106,7 +106,7 @@ def test_a_killed_leader_is_replaced_and_nothing_is_lost(reference, nodes, lm_fa
 
         def on_step(self, step, metrics):
             if step == FAIL_AT and not killed:
-                leader = self.trainer.members.backend.runner._leaders[0]
+                leader = self.trainer.members.backend.runner.leaders[0]
                 pid = ray.get(leader.ping.remote())
                 killed.append(pid)
                 # Once the next step's calls are out, not between steps.

@@ -1,7 +1,7 @@
 """Pipelined dispatch, the parts without Ray: when the controller lets the
 next step be issued early (pipelining.next_assignment, and the controller
 over the fake backend of test_controller), and when the runner uses or
-drops calls issued ahead (step_runner._Issued.serves). The Ray side runs
+drops calls issued ahead (calls.Issued.serves). The Ray side runs
 in test_bench_smoke (fake slices with a set step time) and the e2e tests
 (pipelining is on by default)."""
 
@@ -11,7 +11,8 @@ from ray_elastic import ElasticConfig
 from ray_elastic.errors import FailureKind
 from ray_elastic.control.pipelining import next_assignment
 from ray_elastic.control.policy import SlicesView
-from ray_elastic.dispatch.step_runner import StepRunner, _Issued
+from ray_elastic.dispatch.calls import Issued
+from ray_elastic.dispatch.step_runner import StepRunner
 from tests.test_controller import run
 
 TWO = {0: (0,), 1: (1,)}
@@ -72,7 +73,7 @@ class _Slice:  # a LiveSlice stand-in: the runner compares them by identity
 def test_calls_issued_ahead_serve_only_the_same_step_slices_and_shards():
     a, b = _Slice(), _Slice()
     live = {0: a, 1: b}
-    issued = _Issued(5, dict(live), dict(TWO), [], {}, [], [])
+    issued = Issued(5, dict(live), dict(TWO), [], {}, [], [])
     assert issued.serves(5, live, TWO)
     assert not issued.serves(6, live, TWO)  # another step (a rewind, say)
     assert not issued.serves(5, {0: a}, {0: (0, 1)})  # a slice lost

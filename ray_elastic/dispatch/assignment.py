@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["assign_shards", "host_rows", "leader_groups", "leader_ranges", "rows_fed"]
+__all__ = ["assign_shards", "host_rows", "leader_groups", "leader_ranges", "rows_fed", "spread_shards"]
 
 
 def assign_shards(live: Iterable[int], num_shards: int, mode: str,
@@ -45,6 +45,14 @@ def assign_shards(live: Iterable[int], num_shards: int, mode: str,
         for shard in range(num_shards):
             out[slices[shard % len(slices)]].append(shard)
     return {s: tuple(v) for s, v in out.items()}
+
+
+def spread_shards(missing: Sequence[int], live: Iterable[int]) -> dict[int, tuple[int, ...]]:
+    """The shards of a step that nobody finished (a lost slice's), spread
+    over the live slices in order, round robin: slice -> the shards it
+    computes again (only slices that get some)."""
+    order = sorted(live)
+    return {s: tuple(missing[i::len(order)]) for i, s in enumerate(order) if missing[i::len(order)]}
 
 
 def _runs(items: list, groups: int) -> list[list]:

@@ -26,6 +26,7 @@ redone. A leader whose process dies is replaced and its part made again
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable, Mapping, Optional
 
@@ -34,11 +35,14 @@ from ray import exceptions as rex
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.dispatch.assignment import leader_groups
+from ray_elastic.dispatch.calls import Deadline, refs_by_slice
+from ray_elastic.dispatch.leader import GroupLeader
+from ray_elastic.dispatch.replies import Applied, Failed, Phase, Ready, Reissued
+from ray_elastic.dispatch.step_runner import PartialStep, StepResult, StepRunner, per_host
+from ray_elastic.dispatch.tree import parts_of, tops_of
 from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure
 from ray_elastic.failures.internal import SumAgain
 from ray_elastic.failures.location import FailureLocator
-from ray_elastic.dispatch.leader import GroupLeader
-from ray_elastic.dispatch.step_runner import PartialStep, StepResult, StepRunner, _Deadline
 
 __all__ = ["GroupedRunner"]
 
@@ -52,6 +56,48 @@ POLL_S = 1.0
 # After a leader's death mid-step, how long to wait to see whether the
 # driver's sum was made.
 MADE_WAIT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sent:
+    """What a leader was last told: its slices (their LiveSlices) and ranges."""
+
+    live: dict
+    ranges: list
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ahead:
+    """A step whose gradient phase every leader issued ahead."""
+
+    step: int
+    parts: list  # per group: slice -> its shards
+    tops: dict  # leader -> its subtrees' tops
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class _Ranked:
+    """A failure a round met, ranked for which one counts: a leader's
+    gradient phase (0), the driver's own top of the tree (1), an apply
+    (2), because only an apply can fail for want of an input from
+    elsewhere; then in the order they came."""
+
+    rank: int
+    order: int
+    failure: SliceFailure = dataclasses.field(compare=False)
+
+    @classmethod
+    def of(cls, reply: Failed, seen: list) -> "_Ranked":
+        return cls(0 if reply.phase is Phase.GRADS else 2, len(seen), reply.failure)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lost:
+    """A gradient phase that lost a slice, with its groups: `finish`
+    completes it on them."""
+
+    step: int
+    groups: list
 
 
 class GroupedRunner:
@@ -72,12 +118,17 @@ class GroupedRunner:
         self.leader_restarts = {"applied_the_sum": 0, "issued_again": 0}
         self.shards_recomputed = 0  # by finish, over the run (the lost slices' shards)
         self._leaders: list = []
-        self._sent: list = []  # per leader: (its slices' LiveSlices, its ranges) as last sent, or None
+        self._sent: list = []  # per leader: a _Sent, or None
         self._call = 0  # one id per round of calls, for calling a round off
         self._epoch = 0  # StepRunner's epochs, counted here for every leader
         self._fresh = True  # the next collect issues anew (nothing issued ahead is used)
-        self._failed: Optional[tuple] = None  # (step, its groups) of a gradient phase that lost a slice
-        self._next: Optional[tuple] = None  # (step, its groups' shards, leader -> its subtrees' tops), issued ahead
+        self._failed: Optional[_Lost] = None
+        self._next: Optional[_Ahead] = None
+
+    @property
+    def leaders(self) -> list:
+        """The leader actors, one per group (for tests and benches)."""
+        return list(self._leaders)
 
     # -- leaders ------------------------------------------------------------
 
@@ -100,15 +151,15 @@ class GroupedRunner:
         for g, (slices, ranges) in enumerate(groups):
             part = {s: live[s] for s in slices}
             sent = self._sent[g]
-            if sent is None or sent[1] != ranges or sent[0].keys() != part.keys() or any(
-                    sent[0][s] is not part[s] for s in part):
+            if sent is None or sent.ranges != ranges or sent.live.keys() != part.keys() or any(
+                    sent.live[s] is not part[s] for s in part):
                 changed.append((g, part, ranges))
         idle = [g for g in range(len(groups), len(self._leaders)) if self._sent[g] is not None]
         if not changed and not idle:
             return False
         moving = {s for _, part, _ in changed for s in part}
         waits = [self._leaders[g].quiesce.remote(deadline_s) for g in range(len(groups))
-                 if self._sent[g] is not None and set(self._sent[g][0]) & moving]
+                 if self._sent[g] is not None and set(self._sent[g].live) & moving]
         waits += [self._leaders[g].quiesce.remote(deadline_s, True) for g in idle]
         for g in idle:
             self._sent[g] = None
@@ -117,7 +168,7 @@ class GroupedRunner:
         except rex.RayError:
             pass  # a leader lost: made again below, when it is used
         for g, part, ranges in changed:
-            self._sent[g] = (part, ranges)
+            self._sent[g] = _Sent(part, ranges)
             try:
                 ray.get(self._leaders[g].set_live.remote(part, ranges, self.depth), timeout=deadline_s + 60)
             except (rex.RayActorError, rex.WorkerCrashedError) as e:
@@ -138,14 +189,15 @@ class GroupedRunner:
         self._sent[g] = None
         self.leaders_replaced += 1
 
-    def _round(self, calls: dict, wait: _Deadline, groups: list, live: Mapping, on_death: Callable,
+    def _round(self, calls: dict, wait: Deadline, groups: list, live: Mapping, on_death: Callable,
                top_calls: Optional[list] = None, k: int = 0) -> dict:
         """Make calls[g] = (method, args) on each leader g; their replies
-        by leader ("ok" or "reissued"). A leader that dies is replaced and
-        `on_death(g)` makes its call again (once). Failures are ranked:
-        a leader's gradient phase (the others are called off at once), the
-        driver's own top of the tree (`top_calls`, looked at when an apply
-        fails: it may have failed for want of the sum), then an apply."""
+        by leader (Ready, Applied or Reissued: replies.py). A leader that
+        dies is replaced and `on_death(g)` makes its call again (once).
+        Failures are ranked (_Ranked); a leader's gradient phase calls the
+        others off at once, and the driver's own top of the tree
+        (`top_calls`) is looked at when an apply fails (it may have failed
+        for want of the sum)."""
         self._call += 1
         call = self._call
 
@@ -155,7 +207,7 @@ class GroupedRunner:
 
         pending = {submit(g): g for g in calls}
         out: dict = {}
-        failures: list = []  # (rank, order, failure)
+        failures: list = []  # _Ranked
         retried: set = set()
         off = []  # whether the round was called off
         again = False  # a leader re-issued its gradient phase: the sum is void, and so is what waited on it
@@ -190,44 +242,40 @@ class GroupedRunner:
                         # counts if it is a failure of their own.
                         call_off()
                         self._drain(pending, failures, wait)
-                        if any(rank == 0 for rank, _, _ in failures):
-                            raise min(failures, key=lambda x: x[:2])[2] from None
+                        if any(x.rank == 0 for x in failures):
+                            raise min(failures).failure from None
                         raise
                     continue
                 except rex.RayTaskError as e:  # a leader's own error: a defect, not a slice's failure
                     raise RunFailed(f"group leader {g}: {e}", setting="slices_per_leader") from None
-                if reply[0] == "failed":
-                    f, attrs = reply[1], reply[2]
-                    if attrs.get("node_silent"):
-                        f.node_silent = True
-                    f.leader_partial = attrs.get("partial", False)
-                    grads = attrs.get("phase") == "grads"
-                    failures.append((0 if grads else 2, len(failures), f))
+                if isinstance(reply, Failed):
+                    grads = reply.phase is Phase.GRADS
+                    failures.append(_Ranked.of(reply, failures))
                     if grads:
                         call_off()
                     elif not grads and top_calls and not again:
                         top = self._top_failure(top_calls, k, live)
                         if top is not None:
-                            failures.append((1, len(failures), top))
+                            failures.append(_Ranked(1, len(failures), top))
                             call_off()
                         top_calls = None
-                elif reply[0] in ("ok", "reissued"):
+                elif isinstance(reply, (Ready, Applied, Reissued)):
                     out[g] = reply
-                    if reply[0] == "reissued" and not again:
+                    if isinstance(reply, Reissued) and not again:
                         again = True
                         call_off()  # their copies wait on a void sum
         if again:  # only a gradient phase's failure is a failure of its own
-            failures = [x for x in failures if x[0] == 0]
+            failures = [x for x in failures if x.rank == 0]
         if failures:
-            raise min(failures, key=lambda x: x[:2])[2]
+            raise min(failures).failure
         if again:
-            return {g: r for g, r in out.items() if r[0] == "reissued"}
+            return {g: r for g, r in out.items() if isinstance(r, Reissued)}
         if len(out) != len(calls):  # called off with no failure seen: never apply a partial sum
             raise RunFailed(f"group leaders {sorted(set(calls) - set(out))} gave up a step that did not "
                             "fail", setting="slices_per_leader")
         return out
 
-    def _drain(self, pending: dict, failures: list, wait: _Deadline) -> None:
+    def _drain(self, pending: dict, failures: list, wait: Deadline) -> None:
         """The replies of a round that was called off: its failures."""
         refs = list(pending)
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at + LEADER_GRACE_S - self._clock()))
@@ -236,15 +284,15 @@ class GroupedRunner:
                 reply = ray.get(ref)
             except rex.RayError:
                 continue
-            if reply[0] == "failed":
-                failures.append((0 if reply[2].get("phase") == "grads" else 2, len(failures), reply[1]))
+            if isinstance(reply, Failed):
+                failures.append(_Ranked.of(reply, failures))
         pending.clear()
 
     def _top_failure(self, top_calls: list, k: int, live: Mapping) -> Optional[SliceFailure]:
         """Whether the driver's own top of the tree failed (a reducer lost):
         looked at for up to a second, on every live slice's node."""
         try:
-            self.top._gather(top_calls, k, _Deadline(self._clock() + 1.0, 1.0), live)
+            self.top.gather(top_calls, k, Deadline.after(self._clock(), 1.0), live)
         except SliceFailure as f:
             return None if f.kind is FailureKind.HUNG else f  # still coming: not a failure of its own
         return None
@@ -253,8 +301,8 @@ class GroupedRunner:
 
     def run(self, k: int, live: Mapping, assignment: Mapping, takers: frozenset, deadline_s: float,
             on_issued: Callable[[], None] = lambda: None, ahead: Optional[Mapping] = None) -> StepResult:
-        wait = _Deadline(self._clock() + deadline_s, deadline_s)
-        if any(getattr(sl, "per_host", False) for sl in live.values()):
+        wait = Deadline.after(self._clock(), deadline_s)
+        if any(per_host(sl) for sl in live.values()):
             # Each host of a sharded slice sends its own blocks; a leader's
             # subtrees sum host 0's only.
             raise ConfigError("slices_per_leader", "group leaders take replicated layouts only; this program "
@@ -263,11 +311,11 @@ class GroupedRunner:
         changed = self._sync(groups, live, deadline_s)
         parts = [{s: tuple(assignment[s]) for s in slices} for slices, _ in groups]
         nxt, self._next = self._next, None
-        ran_ahead = not changed and not self._fresh and nxt is not None and nxt[0] == k and nxt[1] == parts
+        ran_ahead = not changed and not self._fresh and nxt is not None and nxt.step == k and nxt.parts == parts
         self._fresh = False
         try:
             if ran_ahead:
-                tops = nxt[2]
+                tops = nxt.tops
             else:
                 tops = self._begin_round(k, parts, wait, groups, live)
             on_issued()
@@ -275,36 +323,35 @@ class GroupedRunner:
                                     lambda g: self._ask_one(g, "begin", k, parts[g], wait.seconds))
         except SliceFailure as f:
             self._fresh = True
-            g = next((g for g, (slices, _) in enumerate(groups) if f.slice_id in slices), None)
-            if getattr(f, "leader_partial", False) and g is not None and len(groups[g][0]) > 1:
+            survivors = next((len(slices) - 1 for slices, _ in groups if f.slice_id in slices), 0)
+            if f.leader_partial and survivors:
                 # Lost in the gradient phase, and its group has survivors to
                 # compute its shards: every other gradient is kept (finish).
-                self._failed = (k, groups)
-                f.partial = PartialStep(k, dict(assignment), {s: None for s in live if s != f.slice_id})
+                self._failed = _Lost(k, groups)
+                kept = PartialStep(k, dict(assignment), {s: None for s in live if s != f.slice_id})
+                raise f.replace(partial=kept) from None
             raise
 
-    def _begin_round(self, k: int, parts: list, wait: _Deadline, groups: list, live: Mapping) -> dict:
+    def _begin_round(self, k: int, parts: list, wait: Deadline, groups: list, live: Mapping) -> dict:
         calls = {g: ("begin", (k, parts[g], wait.seconds)) for g in range(len(groups))}
         replies = self._round(calls, wait, groups, live, lambda g, submit: submit(g))
-        return {g: r[1] for g, r in replies.items()}
+        return {g: r.tops for g, r in replies.items()}
 
-    def _step_round(self, k: int, live: Mapping, groups: list, tops: dict, takers: frozenset, wait: _Deadline,
-                    ahead: Optional[Mapping], ran_ahead: bool, restart: Callable[[int], list]) -> StepResult:
+    def _step_round(self, k: int, live: Mapping, groups: list, tops: dict, takers: frozenset, wait: Deadline,
+                    ahead: Optional[Mapping], ran_ahead: bool, restart: Callable[[int], tuple]) -> StepResult:
         """Sum the leaders' `tops` and apply on every group; `restart(g)`
         issues a new leader's part of step k and gives its tops."""
         nxt_parts = None if ahead is None else [{s: tuple(ahead[s]) for s in slices} for slices, _ in groups]
         for _ in range(3):
-            top, top_calls = self._issue_top(k, live, sorted(t for g in tops for t in tops[g]))
+            top, top_calls = self.issue_top(k, live, sorted((t for g in tops for t in tops[g]), key=lambda t: t.key))
             # The snapshotting slices' applies are the driver's own: it then
             # owns the snapshots, which outlive any leader.
             mine = {s: live[s] for s in takers}
-            applies, snaps = self.top._issue_apply(k, mine, [top[0][1]], takers) if mine else ([], dict)
-            by_slice: dict = {}
-            for s, _, ref, _ in applies:
-                by_slice.setdefault(s, []).append(ref)
+            applies, snaps = self.top.issue_apply(k, mine, [t.ref for t in top], takers) if mine else ([], dict)
+            by_slice = refs_by_slice(applies)
 
             def step_call(g: int, apply_only: bool = False):
-                slices = groups[g][0]
+                slices, _ = groups[g]
                 return ("step", (k, top, {s: by_slice[s] for s in slices if s in by_slice},
                                  max(1.0, wait.at - self._clock()), None if nxt_parts is None else nxt_parts[g],
                                  apply_only))
@@ -330,27 +377,27 @@ class GroupedRunner:
                 replies = self._round(calls, wait, groups, live, on_death, top_calls, k)
             except SumAgain:
                 continue
-            again = {g: r[1] for g, r in replies.items() if r[0] == "reissued"}
+            again = {g: r.tops for g, r in replies.items() if isinstance(r, Reissued)}
             if again:
                 tops.update(again)
                 continue
-            metrics = self.top._gather(applies, k, wait, live) if applies else {}
+            metrics = self.top.gather(applies, k, wait, live) if applies else {}
             for r in replies.values():
-                metrics.update(r[1])
+                metrics.update(r.metrics)
             if ran_ahead:
                 self.steps_ahead += 1
-            if nxt_parts is not None and all(r[2] is not None for r in replies.values()):
-                self._next = (k + 1, nxt_parts, {g: r[2] for g, r in replies.items()})
+            if nxt_parts is not None and all(r.next_tops is not None for r in replies.values()):
+                self._next = _Ahead(k + 1, nxt_parts, {g: r.next_tops for g, r in replies.items()})
             return StepResult(metrics, snaps())
         raise RunFailed(f"step {k}: the sum over the group leaders was made 3 times without taking",
                         setting="slices_per_leader")
 
-    def _made(self, top_calls: list, wait: _Deadline) -> bool:
+    def _made(self, top_calls: list, wait: Deadline) -> bool:
         """Whether the driver's top of the tree was made (its calls' small
         status replies, waited for up to MADE_WAIT_S). One still coming is
         taken as not made: the group is then issued again, which is safe
         while no slice could apply (no apply runs before the sum)."""
-        refs = [ref for _, _, ref, _ in top_calls]
+        refs = [c.ref for c in top_calls]
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=max(0.0, min(MADE_WAIT_S, wait.at - self._clock())))
         try:
             ray.get(done)
@@ -358,7 +405,7 @@ class GroupedRunner:
             return False
         return len(done) == len(refs)
 
-    def _ask_one(self, g: int, method: str, *args) -> list:
+    def _ask_one(self, g: int, method: str, *args) -> tuple:
         """One leader's begin or finish, alone: its tops."""
         self._call += 1
         try:
@@ -366,37 +413,33 @@ class GroupedRunner:
         except rex.RayError as e:
             raise RunFailed(f"group leader {g}, started to replace a lost one, failed its {method}: {e}",
                             setting="slices_per_leader") from None
-        return reply[1]
+        return reply.tops
 
-    def _issue_top(self, k: int, live: Mapping, tops: list) -> tuple[list, list]:
-        """The rest of the tree over the leaders' subtrees, on the slices'
-        workers, issued on refs: ([(key, ref)] of its one top, its calls)."""
+    def issue_top(self, k: int, live: Mapping, tops: list) -> tuple[tuple, list]:
+        """The rest of the tree over the leaders' subtrees (`tops`, in key
+        order), on the slices' workers, issued on refs: (its one top, as a
+        tuple of one Top; its calls)."""
         r = self.top
-        r._epoch = self._epoch
-        nodes, built, calls = [(key, [ref]) for key, ref in tops], self.depth, []
-        while r._deeper(nodes, built):
-            built += 1
-            issued, boxes = r._tree_level(k, live, nodes, 0)
-            calls += issued
-            nodes = [(key, [box[0]]) for key, box in boxes]
-        return [(key, refs[0]) for key, refs in nodes], calls
+        r.epoch = self._epoch
+        levels, top = r.issue_tree(k, live, parts_of(tops), 0, built=self.depth)
+        return tops_of(top), [c for level in levels for c in level]
 
     def finish(self, partial: PartialStep, live: Mapping, takers: frozenset, deadline_s: float) -> StepResult:
         """Complete a step whose gradient phase lost a slice: that slice's
         group's survivors compute its shards; the other leaders make their
         subtrees again over the gradients they kept. The step applies on
         the groups it ran on, less the lost slice."""
-        if self._failed is None or self._failed[0] != partial.step:
+        if self._failed is None or self._failed.step != partial.step:
             raise RuntimeError(f"no gradient phase of step {partial.step} to finish")
-        k, groups = self._failed
+        k, groups = self._failed.step, self._failed.groups
         self._failed = None
-        wait = _Deadline(self._clock() + deadline_s, deadline_s)
+        wait = Deadline.after(self._clock(), deadline_s)
         groups = [([s for s in slices if s in live], ranges) for slices, ranges in groups]
         self._sync(groups, live, deadline_s)
         calls = {g: ("finish", (k, deadline_s)) for g in range(len(groups))}
         replies = self._round(calls, wait, groups, live, lambda g, submit: submit(g))
-        tops = {g: r[1] for g, r in replies.items()}
-        self.shards_recomputed += sum(r[2] for r in replies.values())
+        tops = {g: r.tops for g, r in replies.items()}
+        self.shards_recomputed += sum(r.shards_recomputed for r in replies.values())
         self._fresh = True
         return self._step_round(k, live, groups, tops, takers, wait, None, False,
                                 lambda g: self._ask_one(g, "finish", k, deadline_s))
@@ -414,7 +457,7 @@ class GroupedRunner:
         which = None if slices is None else sorted(slices)
         refs = [(g, leader.settle.remote(self._epoch, timeout_s, which, abort_waits))
                 for g, leader in enumerate(self._leaders)]
-        self.top._epoch = self._epoch
+        self.top.epoch = self._epoch
         self.top.settle_applies(timeout_s, slices, abort_waits)
         self._epoch += 1
         for g, ref in refs:

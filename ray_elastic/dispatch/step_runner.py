@@ -41,11 +41,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import ray
 from ray import exceptions as rex
 
+from ray_elastic.dispatch.assignment import spread_shards
+from ray_elastic.dispatch.calls import Call, Deadline, Issued, refs_by_slice
+from ray_elastic.dispatch.tree import Part, deeper, gates, holders, refs_of
 from ray_elastic.errors import FailureKind, SliceFailure
 from ray_elastic.failures.internal import StepAborted
 from ray_elastic.failures.location import TRANSIENT, FailureLocator, failure, short
@@ -98,38 +101,19 @@ class PartialStep:
     step: int
     assignment: dict  # slice -> its shards, as the step began
     payloads: dict  # surviving slice -> {sending host: its gradients (a ref)}
-    pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 calls still running
-
-
-@dataclasses.dataclass
-class _Issued:
-    """A step's gradient phase and reduction tree, issued without waiting."""
-
-    step: int
-    live: dict  # slice -> the LiveSlice it was issued on
-    assignment: dict
-    grads: list  # phase-1 calls
-    payloads: dict  # slice -> {host: ref}
-    levels: list  # the reduction trees' calls, level by level
-    tops: dict  # sending host index -> the refs its apply calls take
-
-    def serves(self, k: int, live: Mapping, assignment: Mapping) -> bool:
-        """Issued for this very step, slices (the same workers) and shards."""
-        return (self.step == k and dict(assignment) == self.assignment and self.live.keys() == live.keys()
-                and all(self.live[s] is live[s] for s in live))
+    pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 Calls still running
 
 
 def pipeline_default() -> bool:
     return os.environ.get("RAY_ELASTIC_PIPELINE", "1") != "0"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Deadline:
-    at: float  # clock time the step must be done by
-    seconds: float  # its length, for the report
-
-
 class StepRunner:
+    """Runs steps on the live slices (`run`, `finish`), and offers the
+    blocks they are made of (issue, gather, the reduction tree, settling)
+    to the group leaders, which run their group's part of a step with a
+    StepRunner of their own (leader.py, grouped_runner.py)."""
+
     def __init__(self, locator: FailureLocator, clock: Callable[[], float], fan_in: Optional[int] = None,
                  pipeline: Optional[bool] = None):
         self.locator = locator
@@ -138,7 +122,7 @@ class StepRunner:
         if self.fan_in < 2:
             raise ValueError(f"fan_in must be at least 2 (a tree of fan-in 1 never ends), got {self.fan_in}")
         self.pipeline = pipeline_default() if pipeline is None else pipeline
-        self._ahead: Optional[_Issued] = None  # the next step, issued ahead
+        self._ahead: Optional[Issued] = None  # the next step, issued ahead
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
         self._dropped: list = []  # (slice, status ref) of gradient calls issued ahead and dropped
@@ -146,24 +130,38 @@ class StepRunner:
         self._workers: dict = {}  # slice -> its workers, as the last apply calls had them
         # Applies and reductions carry the epoch they were issued in; after
         # a failure, those of the epoch still waiting for an input give up
-        # (settle_applies), and later calls get the next epoch.
-        self._epoch = 0
-        self._step: Optional[int] = None  # the step last run: those after it were issued ahead
+        # (settle_applies), and later calls get the next epoch. A group
+        # leader's is its driver's (one count for every leader).
+        self.epoch = 0
+        # The step under way: those after it were issued ahead (and give
+        # up with settle_applies).
+        self.step: Optional[int] = None
         # Asked between waits: True ends a gather with StepAborted (a group
         # leader's call that its driver called off, dispatch/leader.py).
         self.aborted: Callable[[], bool] = lambda: False
 
+    @property
+    def reissued(self) -> int:
+        """Calls re-issued so far. A re-issued call's dependents, issued on
+        its first try, hold a void ref: compare this count before and after
+        gathering to know whether they must be issued again."""
+        return self._reissued
+
+    def drop(self, issued: Optional[Issued]) -> None:
+        """Forget calls issued (their results are never read). Their
+        gradient calls may still run (after an apply that did succeed): no
+        new call is issued before they are over (`settle_dropped`), so a
+        worker never runs two gradient phases at once (on a multi-host
+        slice their collectives could interleave)."""
+        if issued is not None:
+            self._dropped += [(c.slice_id, c.ref) for c in issued.grads]
+
     def drop_ahead(self) -> None:
-        """Forget the calls issued ahead (their results are never read).
-        Their gradient calls may still run (after an apply that did
-        succeed): no new call is issued before they are over (`_settle`),
-        so a worker never runs two gradient phases at once (on a
-        multi-host slice their collectives could interleave)."""
-        if self._ahead is not None:
-            self._dropped += [(s, ref) for s, _, ref, _ in self._ahead.grads]
+        """Forget the calls issued ahead (`drop`)."""
+        self.drop(self._ahead)
         self._ahead = None
 
-    def _settle(self, wait: "_Deadline", live: Mapping) -> None:
+    def settle_dropped(self, wait: Deadline, live: Mapping) -> None:
         """Wait (within the step's deadline) for the live slices' dropped
         gradient calls to end, whatever their outcome. A lost slice's are
         not waited for: its workers are gone or retired, and a call to a
@@ -191,78 +189,78 @@ class StepRunner:
         fire, faults.FAULT_PHASES); `ahead`:
         the next step's assignment, to issue its pure calls early (None:
         the step boundary may change the slices)."""
-        wait = _Deadline(self._clock() + deadline_s, deadline_s)
-        self._step = k
+        wait = Deadline.after(self._clock(), deadline_s)
+        self.step = k
         pre = self._ahead
         if pre is not None and self.pipeline and pre.serves(k, live, assignment):
             self._ahead = None
             self.steps_ahead += 1
         else:
             self.drop_ahead()
-            self._settle(wait, live)
+            self.settle_dropped(wait, live)
             if not self.pipeline:
                 return self._run_in_phases(k, live, assignment, takers, wait, on_issued)
-            pre = self._issue(k, live, assignment)
+            pre = self.issue_step(k, live, assignment)
         on_issued()
-        applies, snaps = self._issue_apply(k, live, pre.tops, takers)
+        applies, snaps = self.issue_apply(k, live, {g: refs_of(parts) for g, parts in pre.tops.items()}, takers)
         if ahead is not None:
             # Each host's next gradient call waits for every apply of its
             # slice: were one host's apply aborted after a failure and
             # another's done, the done host alone would enter the step's
             # collectives and hold its one gradient thread for good.
-            after: dict = {}
-            for s, _, ref, _ in applies:
-                after.setdefault(s, []).append(ref)
-            self._ahead = self._issue(k + 1, live, ahead, after)
-        reissued = self._reissued
+            self._ahead = self.issue_step(k + 1, live, ahead, refs_by_slice(applies))
+        since = self.reissued
         try:
-            self._gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
+            self.gather_grads(pre.grads, pre.payloads, k, live, assignment, wait)
             on_issued("reduce")
             with self._gradients_kept(k, live, assignment, pre.payloads):
-                for level in pre.levels:
-                    if self._reissued != reissued:
-                        # The next level holds a re-issued call's void ref: its
-                        # calls fail on that input, and a transient error would
-                        # be re-issued with the same input until the deadline.
-                        break
-                    self._gather(level, k, wait, live)
-                if self._reissued != reissued:
+                if not self.gather_levels(pre.levels, k, wait, live, since):
                     # A re-issued call's dependents hold its void ref: hand off again.
                     self.drop_ahead()
-                    return self._apply(k, live, self._holder(assignment, pre.payloads), takers, wait, on_issued)
+                    return self._apply(k, live, holders(assignment, pre.payloads), takers, wait, on_issued)
                 on_issued("apply")
-                result = StepResult(self._gather(applies, k, wait, live), snaps())
+                result = StepResult(self.gather(applies, k, wait, live), snaps())
         except BaseException:
             self.drop_ahead()  # the step failed: what was issued after it is void
             raise
-        if self._reissued != reissued:
+        if self.reissued != since:
             self.drop_ahead()  # issued after an apply call that was re-issued
         return result
 
-    def _run_in_phases(self, k, live, assignment, takers, wait: "_Deadline", on_issued) -> StepResult:
+    def _run_in_phases(self, k, live, assignment, takers, wait: Deadline, on_issued) -> StepResult:
         """Each phase issued once the one before is gathered."""
-        issued, payloads = self._issue_grads(k, live, assignment)
+        issued, payloads = self.issue_grads(k, live, assignment)
         on_issued()
-        self._gather_grads(issued, payloads, k, live, assignment, wait)
+        self.gather_grads(issued, payloads, k, live, assignment, wait)
         on_issued("reduce")
         with self._gradients_kept(k, live, assignment, payloads):
-            return self._apply(k, live, self._holder(assignment, payloads), takers, wait, on_issued)
+            return self._apply(k, live, holders(assignment, payloads), takers, wait, on_issued)
 
-    @staticmethod
-    def _holder(assignment: Mapping, payloads: dict) -> dict:
-        """shard -> {sending host: the ref of the payload holding it}."""
-        return {shard: payloads[s] for s, shards in assignment.items() for shard in shards}
-
-    def _gather_grads(self, issued, payloads, k, live, assignment, wait: "_Deadline") -> None:
+    def gather_grads(self, issued: list, payloads: dict, k: int, live: Mapping, assignment: Mapping,
+                     wait: Deadline) -> None:
+        """Gather a step's gradient calls. A slice lost among them raises
+        its failure with a `partial`: the survivors' gradients, and their
+        calls still running (kept, not redone)."""
         finished: set = set()
         try:
-            self._gather(issued, k, wait, live, finished)
+            self.gather(issued, k, wait, live, finished)
         except SliceFailure as f:
-            # The survivors' calls still running are kept, not redone.
             survivors = {s: payloads[s] for s in live if s != f.slice_id and s in payloads}
-            pending = [c for c in issued if c[0] in survivors and (c[0], c[1]) not in finished]
-            f.partial = PartialStep(k, dict(assignment), survivors, pending)
-            raise
+            pending = [c for c in issued if c.slice_id in survivors and (c.slice_id, c.host) not in finished]
+            raise f.replace(partial=PartialStep(k, dict(assignment), survivors, pending)) from None
+
+    def gather_levels(self, levels: list, k: int, wait: Deadline, live: Mapping, since: int) -> bool:
+        """Gather the reduction tree's levels, lowest first, while no call
+        was re-issued since the count `since` (`reissued`): the next level
+        holds a re-issued call's void ref, its calls fail on that input, and
+        a transient error would be re-issued with the same input until the
+        deadline. Whether none was (else the tree must be made again over
+        the gradients, which are all in)."""
+        for level in levels:
+            if self.reissued != since:
+                return False
+            self.gather(level, k, wait, live)
+        return self.reissued == since
 
     @contextlib.contextmanager
     def _gradients_kept(self, k: int, live: Mapping, assignment: Mapping, payloads: dict):
@@ -275,16 +273,16 @@ class StepRunner:
         try:
             yield
         except SliceFailure as f:
-            if getattr(f, "partial", None) is None:
-                survivors = {s: payloads[s] for s in live if s != f.slice_id and s in payloads}
-                f.partial = PartialStep(k, dict(assignment), survivors, [])
-            raise
+            if f.partial is not None:
+                raise
+            survivors = {s: payloads[s] for s in live if s != f.slice_id and s in payloads}
+            raise f.replace(partial=PartialStep(k, dict(assignment), survivors, [])) from None
 
-    def _issue(self, k: int, live: Mapping, assignment: Mapping, after: Optional[dict] = None) -> _Issued:
+    def issue_step(self, k: int, live: Mapping, assignment: Mapping, after: Optional[dict] = None) -> Issued:
         """Phase 1 and the reduction tree of step k as one graph (nothing
         gathered); each gradient call waits for `after[slice]`."""
-        grads, payloads = self._issue_grads(k, live, assignment, after)
-        holder = self._holder(assignment, payloads)
+        grads, payloads = self.issue_grads(k, live, assignment, after)
+        holder = holders(assignment, payloads)
         first = min(holder)
         groups = senders(next(iter(live.values())))
         levels, tops = [], {}
@@ -293,19 +291,10 @@ class StepRunner:
         for g in range(groups):
             leaves = {shard: [refs[g]] for shard, refs in holder.items()}
             for s in sorted(payloads):
-                # The payloads no apply would otherwise wait for (non-sending
-                # hosts', a slice without shards): gates, empty for the sum.
-                gates = [r for h, r in sorted(payloads[s].items())
-                         if (h == g and not assignment.get(s)) or (groups == 1 and h > 0)]
-                leaves[min(assignment.get(s) or (first,))] += gates
-            nodes, built = sorted(leaves.items()), 0
-            while self._deeper(nodes, built):
-                built += 1
-                level, boxes = self._tree_level(k, live, nodes, g)
-                levels.append(level)
-                nodes = [(key, [box[0]]) for key, box in boxes]
-            tops[g] = list(dict.fromkeys(r for _, rs in nodes for r in rs))
-        return _Issued(k, dict(live), dict(assignment), grads, payloads, levels, tops)
+                leaves[min(assignment.get(s) or (first,))] += gates(payloads, assignment, s, g, groups)
+            built, tops[g] = self.issue_tree(k, live, [Part(key, refs) for key, refs in sorted(leaves.items())], g)
+            levels += built
+        return Issued(k, dict(live), dict(assignment), grads, payloads, levels, tops)
 
     def finish(self, partial: PartialStep, live: Mapping, takers: frozenset, deadline_s: float) -> StepResult:
         """Complete a step whose gradient phase lost a slice: the live
@@ -313,22 +302,21 @@ class StepRunner:
         order), the others' gradients are kept, and the step applies as
         usual. The reduction is keyed by shard, so the result is bitwise
         the one a failure-free step gives."""
-        k, wait = partial.step, _Deadline(self._clock() + deadline_s, deadline_s)
-        self._step = k
+        k, wait = partial.step, Deadline.after(self._clock(), deadline_s)
+        self.step = k
         self.drop_ahead()
-        self._settle(wait, live)
+        self.settle_dropped(wait, live)
         kept = {s: ref for s, ref in partial.payloads.items() if s in live}
-        holder = {shard: kept[s] for s, shards in partial.assignment.items() if s in kept for shard in shards}
-        missing = sorted(shard for shards in partial.assignment.values() for shard in shards if shard not in holder)
-        order = sorted(live)
-        extra = {s: tuple(missing[i::len(order)]) for i, s in enumerate(order) if missing[i::len(order)]}
-        issued, payloads = self._issue_grads(k, live, extra)
-        self._gather([c for c in partial.pending if c[0] in kept] + issued, k, wait, live)
-        holder.update({shard: payloads[s] for s, shards in extra.items() for shard in shards})
+        holder = holders(partial.assignment, kept)
+        extra = spread_shards(sorted(shard for shards in partial.assignment.values() for shard in shards
+                                     if shard not in holder), live)
+        issued, payloads = self.issue_grads(k, live, extra)
+        self.gather([c for c in partial.pending if c.slice_id in kept] + issued, k, wait, live)
+        holder.update(holders(extra, payloads))
         return self._apply(k, live, holder, takers, wait)
 
-    def _issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple],
-                     after: Optional[dict] = None) -> tuple[list, dict]:
+    def issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple],
+                    after: Optional[dict] = None) -> tuple[list, dict]:
         """Phase-1 calls on every host of the slices in `shards_of`; the
         payloads dict fills with each slice's gradients: {host: ref} (only
         the sending hosts' hold any). With `after`, each call takes the refs
@@ -343,26 +331,27 @@ class StepRunner:
             return status
 
         issued = [
-            (s, h, grads_call(w, s, h), lambda w=w, s=s, h=h: grads_call(w, s, h))
+            Call(s, h, grads_call(w, s, h), lambda w=w, s=s, h=h: grads_call(w, s, h))
             for s in sorted(shards_of)
             for h, w in enumerate(live[s].workers)
         ]
         return issued, payloads
 
-    def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: "_Deadline",
+    def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: Deadline,
                on_issued: Callable[..., None] = lambda phase="grads": None) -> StepResult:
         groups = senders(next(iter(live.values())))
         grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
                      for g in range(groups)}
         on_issued("apply")  # the sum is made, the applies not yet issued
-        issued, snaps = self._issue_apply(k, live, grad_refs, takers)
-        return StepResult(self._gather(issued, k, wait, live), snaps())
+        issued, snaps = self.issue_apply(k, live, grad_refs, takers)
+        return StepResult(self.gather(issued, k, wait, live), snaps())
 
-    def _issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], dict]]:
+    def issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], dict]]:
         """The apply calls: host h takes grad_refs[h] (a sharded layout) or
         grad_refs[0]; a list is every host's. Returns the calls and what
         gives the snapshots' refs once they are gathered (a re-issued call
-        replaces its snapshot's ref)."""
+        replaces its snapshot's ref). settle_applies then settles these
+        calls, and tells these slices (`track_slices`)."""
         if isinstance(grad_refs, list):
             grad_refs = {0: grad_refs}
         issued, parts = [], {}  # parts: slice -> {host: its snapshot's ref}
@@ -375,20 +364,30 @@ class StepRunner:
                 refs = grad_refs[h if own else 0]
 
                 def call(w=w, take=take, refs=refs, s=s, h=h):
-                    m_ref, snap_ref = w.apply.options(num_returns=2).remote(k, take, list(refs), self._epoch)
+                    m_ref, snap_ref = w.apply.options(num_returns=2).remote(k, take, list(refs), self.epoch)
                     if take:
                         parts.setdefault(s, {})[h] = snap_ref
                     self._applies[(s, h)] = m_ref  # a re-issue is the one settle_applies waits for
                     return m_ref
 
-                issued.append((s, h, call(), call))
+                issued.append(Call(s, h, call(), call))
 
         def snaps() -> dict:
             return {s: tuple(refs[h] for h in sorted(refs)) if per_host(live[s]) else refs[0]
                     for s, refs in parts.items()}
 
-        self._workers = {s: list(sl.workers) for s, sl in live.items()}
+        self.track_slices(live)
         return issued, snaps
+
+    def track_slices(self, live: Mapping) -> None:
+        """The slices settle_applies tells to give up their waits, with
+        their workers as now: those the last applies were issued on, or
+        (a group leader, whose driver applies on some of them) its group."""
+        self._workers = {s: list(sl.workers) for s, sl in live.items()}
+
+    def forget_applies(self) -> None:
+        """Let go of the last applies and their slices (an idle leader)."""
+        self._applies, self._workers = {}, {}
 
     def applied(self, k: int, live: Mapping) -> Optional[StepResult]:
         """Step k's result on the live slices, for a step that lost a slice
@@ -425,8 +424,8 @@ class StepRunner:
         they would wait for the next step's gradients and hold the
         worker's threads, which the survivors' status calls need)."""
         applies, self._applies = self._applies, {}
-        epoch, self._epoch = self._epoch, self._epoch + 1
-        from_step = 0 if abort_waits else None if self._step is None else self._step + 1
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        from_step = 0 if abort_waits else None if self.step is None else self.step + 1
         if from_step is not None:
             self.drop_ahead()  # what was issued ahead is told to give up: never run a step on it
         for s, workers in self._workers.items():
@@ -442,15 +441,18 @@ class StepRunner:
         if wanted:
             ray.wait(wanted, num_returns=len(wanted), timeout=timeout_s)
 
-    def _gather(self, issued: list, k: int, wait: "_Deadline", live: Mapping, finished: Optional[set] = None) -> dict:
-        """Wait for every call; raise a SliceFailure on the first lost slice.
-        `finished` collects the (slice, host) calls that completed."""
-        pending = {ref: (s, h, reissue) for s, h, ref, reissue in issued}
+    def gather(self, issued: list, k: int, wait: Deadline, live: Mapping, finished: Optional[set] = None) -> dict:
+        """Wait for every call; raise a SliceFailure on the first lost slice
+        (StepAborted if `aborted` says so). A call whose error is transient
+        (the worker still answers) is re-issued (`reissued` counts them).
+        `finished` collects the (slice, host) calls that completed. Returns
+        (slice, host) -> the call's reply."""
+        pending = {c.ref: c for c in issued}
         out = {}
         while pending:
             remaining = wait.at - self._clock()
             if remaining <= 0:
-                candidates = [(s, h) for s, h, _ in pending.values()]
+                candidates = [(c.slice_id, c.host) for c in pending.values()]
                 raise self.locator.hung(candidates, live, k, wait.seconds)
             refs = list(pending)
             done, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, NODE_PROBE_S))
@@ -474,7 +476,8 @@ class StepRunner:
             except rex.RayError:
                 values = None
             for i, ref in enumerate(done):
-                s, h, reissue = pending.pop(ref)
+                c = pending.pop(ref)
+                s, h = c.slice_id, c.host
                 try:
                     out[(s, h)] = ray.get(ref) if values is None else values[i]
                     if finished is not None:
@@ -486,52 +489,57 @@ class StepRunner:
                     kind = self.locator.classify_call(e, live, s, h)
                     if kind is TRANSIENT:
                         self._reissued += 1
-                        pending[reissue()] = (s, h, reissue)
+                        again = dataclasses.replace(c, ref=c.reissue())
+                        pending[again.ref] = again
                         continue
                     raise failure(kind, self.locator.blame(s, kind, live), h, k, short(e)) from None
         return out
 
-    def _hand_off(self, k: int, live: Mapping, holder: dict, wait: "_Deadline", host: int = 0) -> list:
+    def _hand_off(self, k: int, live: Mapping, holder: dict, wait: Deadline, host: int = 0) -> list:
         """The refs the apply calls of host index `host` take (`holder`:
         shard -> the phase-1 payload holding it): the payloads themselves up
         to `fan_in` shards, else the top of the reduction tree over
         consecutive shards, reduced on the slices' workers of that host."""
-        nodes, built = [(shard, [holder[shard]]) for shard in sorted(holder)], 0  # (key, refs holding it)
-        while self._deeper(nodes, built):
-            built += 1
-            issued, boxes = self._tree_level(k, live, nodes, host)
-            self._gather(issued, k, wait, live)
-            nodes = [(key, [box[0]]) for key, box in boxes]  # a re-issued call's result
-        return list(dict.fromkeys(r for _, rs in nodes for r in rs))
+        leaves = [Part(shard, [holder[shard]]) for shard in sorted(holder)]
+        _, top = self.issue_tree(k, live, leaves, host, wait=wait)
+        return refs_of(top)
 
-    def _deeper(self, nodes: list, built: int) -> bool:
-        """Whether the tree needs another level over `nodes`: above
-        `fan_in` of them, and once there is a tree at all, down to one, so
-        that every apply call takes a single ref. The driver pays Ray for
-        each ref a call carries (at 1024 slices, one more ref per apply
-        call cost it 10-15% of its time per step); one more reduce call
-        adds the same pieces in the same key order as the apply would."""
-        return len(nodes) > self.fan_in or (built > 0 and len(nodes) > 1)
+    def issue_tree(self, k: int, live: Mapping, nodes: list, host: int = 0, built: int = 0,
+                   depth: Optional[int] = None, wait: Optional[Deadline] = None) -> tuple[list, list]:
+        """Levels of the reduction tree over `nodes` (Parts, in key order),
+        on the live slices' workers of host index `host`: `depth` of them,
+        or (None) as many as the tree needs (`deeper`), `built` levels being
+        below `nodes` already. With `wait`, each level is gathered before
+        the next is issued, on the re-issued calls' sums; else they are
+        issued at once, as one graph. Returns the levels' Calls, level by
+        level, and the top nodes."""
+        levels: list = []
+        while (len(levels) < depth) if depth is not None else deeper(len(nodes), built + len(levels), self.fan_in):
+            issued, nodes = self.tree_level(k, live, nodes, host)
+            if wait is not None:
+                self.gather(issued, k, wait, live)
+            levels.append(issued)
+        return levels, nodes
 
-    def _tree_level(self, k: int, live: Mapping, nodes: list, host: int) -> tuple[list, list]:
+    def tree_level(self, k: int, live: Mapping, nodes: list, host: int) -> tuple[list, list]:
         """One level of the reduction tree: a reduce call per `fan_in`
-        consecutive nodes, round robin over the slices; returns the calls
-        and (first key, box holding the call's partial sum) per call."""
+        consecutive nodes, round robin over the slices; returns the Calls
+        and the level's nodes (a Part per call, holding its partial sum)."""
         reducers = sorted(live)
         fan = self.fan_in
-        issued, boxes = [], []
+        issued, parts = [], []
         for j in range(0, len(nodes), fan):
             group = nodes[j:j + fan]
-            keys = tuple(key for key, _ in group)
-            refs = list(dict.fromkeys(r for _, rs in group for r in rs))
+            keys = tuple(p.key for p in group)
+            refs = refs_of(group)
             s = reducers[(j // fan) % len(reducers)]
-            box: list = []
+            part = Part(keys[0], [])
 
-            def call(w=live[s].workers[host], keys=keys, refs=refs, box=box):
-                status, partial = w.reduce.options(num_returns=2).remote(k, keys, list(refs), self._epoch)
-                box[:] = [partial]
+            def call(w=live[s].workers[host], keys=keys, refs=refs, part=part):
+                status, partial = w.reduce.options(num_returns=2).remote(k, keys, list(refs), self.epoch)
+                part.refs = [partial]
                 return status
 
-            issued.append((s, host, call(), call))
-            boxes.append((keys[0], box))
-        return issued, boxes
+            issued.append(Call(s, host, call(), call))
+            parts.append(part)
+        return issued, parts
