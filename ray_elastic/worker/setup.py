@@ -1,0 +1,264 @@
+"""A worker's set-up: JAX started, the program's state laid out over the
+slice's mesh, and the step's functions compiled ahead of time.
+
+A slice is one JAX system (`jax.distributed` across its hosts when it has
+more than one). Its mesh comes from the program's layout (layout.py): by
+default one `data` axis over every device with the state replicated; a
+sharded layout splits the params (and the optimizer state with them) over
+named in-slice axes. The shapes never change with the number of live
+slices, so nothing here runs again when the run resizes.
+
+Each step of the way appends a (phase name, wall time) mark, from which
+the worker reports where its time to ready went (readiness.py).
+
+Imported by the driver through the worker's actor class: JAX and Optax
+are imported on use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from ray_elastic.dispatch.assignment import rows_fed
+from ray_elastic.errors import ConfigError
+from ray_elastic.program import TrainProgram
+
+__all__ = ["CompiledStep", "InitialState", "StateLayout", "compile_step", "free_port", "lay_out", "start_jax"]
+
+
+def free_port() -> int:
+    """A TCP port free on this host now (for the JAX coordinator)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def start_jax(coordinator: Optional[str], compile_cache_dir: str, hosts: int, host: int, marks: list) -> list:
+    """Import JAX, point it at the persistent compile cache, join the
+    slice's JAX system (with `coordinator`: host 0's address) and start the
+    backend. Returns the slice's devices; marks `imports` and `jax_init`."""
+    import jax
+    import optax  # noqa: F401 (counted here, with jax; the step uses it)
+
+    marks.append(("imports", time.time()))
+    if compile_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", compile_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if coordinator is not None:
+        # Asking JAX for its backend here would start it too early.
+        if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        # Else JAX's preemption service takes SIGTERM, and the notice is lost.
+        jax.config.update("jax_enable_preemption_service", False)
+        jax.distributed.initialize(coordinator, num_processes=hosts, process_id=host)
+    devices = jax.devices()  # starts the backend
+    marks.append(("jax_init", time.time()))
+    return devices
+
+
+class InitialState:
+    """The step-0 state's functions, lowered at set-up (traced once: a
+    program may cache what its init traces), compiled and run only when
+    the state is first needed: a replacement loads the live state at once,
+    so making it there would be wasted."""
+
+    def __init__(self, init_params, init_opt, rng) -> None:
+        self._init_params, self._init_opt, self._rng = init_params, init_opt, rng
+
+    def make(self) -> tuple:
+        """(params, opt_state) of step 0, laid out on the slice's mesh."""
+        params = self._init_params.compile()(self._rng)
+        return params, self._init_opt.compile()(params)
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLayout:
+    """How the training state and the batch lie on this slice's mesh.
+
+    param_specs, opt_specs: the state's leaves as jax.ShapeDtypeStruct with
+    their global shapes and shardings (what a host's blocks, or whole
+    arrays, are put back into), with the treedefs that rebuild the trees;
+    param_shardings, opt_shardings: one sharding per leaf, as trees;
+    template: the state's tree of shapes and dtypes (for checkpoints);
+    sharded: whether hosts hold different parts of the state."""
+
+    program: TrainProgram
+    mesh: Any
+    batch_axes: tuple
+    batch_ways: int
+    replicated: Any  # NamedSharding: every device holds the whole array
+    batch_sharding: Any
+    sharded: bool
+    param_specs: list
+    param_def: Any
+    opt_specs: list
+    opt_def: Any
+    param_shardings: Any
+    opt_shardings: Any
+    template: dict
+    initial: InitialState
+
+    def params_spec(self) -> Any:
+        """The params' tree of jax.ShapeDtypeStruct (global shapes, shardings)."""
+        import jax
+
+        return jax.tree.unflatten(self.param_def, self.param_specs)
+
+    def opt_spec(self) -> Any:
+        import jax
+
+        return jax.tree.unflatten(self.opt_def, self.opt_specs)
+
+
+def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: int, marks: list) -> StateLayout:
+    """Build the program and lay its state out over `devices` by its
+    layout; lower the step-0 state's functions. Marks `program_build`."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    program = program_factory()
+    marks.append(("program_build", time.time()))
+    plan = program.layout.plan(len(devices))
+    mesh = Mesh(np.array(devices).reshape(plan.axis_sizes), plan.axis_names)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    sharded = program.layout.sharded
+    rng = jax.random.PRNGKey(seed)
+    p_out, o_out = _state_shardings(program, mesh, sharded, replicated, rng)
+    init_params = jax.jit(program.init_params, out_shardings=p_out).lower(rng)
+    p_shape = init_params.out_info
+    p_out = _full(p_out, p_shape)
+    params = jax.tree.map(_sharded_struct, p_shape, p_out)
+    init_opt = jax.jit(program.optimizer.init, out_shardings=o_out).lower(params)
+    o_shape = init_opt.out_info
+    o_out = _full(o_out, o_shape)
+    opt_state = jax.tree.map(_sharded_struct, o_shape, o_out)
+    p_specs, p_def = jax.tree.flatten(params)
+    o_specs, o_def = jax.tree.flatten(opt_state)
+    plain = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype)  # noqa: E731
+    return StateLayout(
+        program=program, mesh=mesh, batch_axes=plan.batch_axes, batch_ways=plan.batch_ways,
+        replicated=replicated, batch_sharding=NamedSharding(mesh, PartitionSpec(plan.batch_axes)),
+        sharded=sharded, param_specs=p_specs, param_def=p_def, opt_specs=o_specs, opt_def=o_def,
+        param_shardings=p_out, opt_shardings=o_out,
+        template={"params": jax.tree.map(plain, p_shape), "opt_state": jax.tree.map(plain, o_shape)},
+        initial=InitialState(init_params, init_opt, rng),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    """The step's functions, compiled once for the slice's shapes.
+
+    grad: (params, global batch) -> (loss, gradient); update: (params,
+    opt_state, mean gradient) -> (params, opt_state), donating the state;
+    flatten: (params, opt_state) -> one replicated buffer, the snapshot of
+    a replicated state (None when sharded: a host's snapshot is its own
+    blocks); unravel: that buffer back to the trees, with jax, only under
+    RAY_ELASTIC_EAGER_SETUP (else numpy does it: see transfer.py).
+    rows: the rows of a shard's batch this host's devices hold;
+    global_shapes: the shard's batch shapes, per key."""
+
+    grad: Any
+    update: Any
+    flatten: Optional[Any]
+    unravel: Optional[Callable]
+    rows: Any
+    global_shapes: dict
+
+
+def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
+                 eager_state: Optional[tuple] = None) -> CompiledStep:
+    """Compile the step against the layout's shapes, ahead of time, through
+    the persistent compile cache when it is set. Marks `compile` once all
+    the step's functions are compiled. `eager_state`: (params, opt_state)
+    already made (RAY_ELASTIC_EAGER_SETUP), for jax's unravel."""
+    import jax
+    import optax
+
+    program = layout.program
+    sample = {k: np.asarray(v) for k, v in program.make_batch(seed, 0, 0, num_shards).items()}
+    rows = next(iter(sample.values())).shape[0]
+    if rows % layout.batch_ways:
+        raise ConfigError("layout.batch_axes", f"a shard's batch of {rows} rows does not split over the "
+                          f"{layout.batch_ways} devices of the batch axes {layout.batch_axes}; make the per-shard "
+                          "batch a multiple of that, or split the batch over fewer axes")
+    # The rows this host's devices hold (all of them under tensor parallelism across hosts).
+    index = layout.batch_sharding.addressable_devices_indices_map((rows,))
+    fed = rows_fed([rows_of[0] for rows_of in index.values()], rows)
+    global_shape = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=layout.batch_sharding)
+                    for k, v in sample.items()}
+
+    def grad_fn(params, batch):
+        return jax.value_and_grad(program.loss_fn)(params, batch)
+
+    def update_fn(params, opt_state, grads):
+        updates, opt_state = program.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params, opt_state = layout.params_spec(), layout.opt_spec()
+    p_out, o_out = layout.param_shardings, layout.opt_shardings
+    grad = jax.jit(grad_fn, out_shardings=(layout.replicated, p_out)).lower(params, global_shape).compile()
+    update = (
+        jax.jit(update_fn, out_shardings=(p_out, o_out), donate_argnums=(0, 1))
+        .lower(params, opt_state, params)
+        .compile()
+    )
+    from jax.flatten_util import ravel_pytree
+
+    flatten = unravel = None
+    if not layout.sharded:  # a sharded host's snapshot is its own blocks: no flat copy
+        if eager_state is not None:
+            _, unravel = ravel_pytree(eager_state)
+        flatten = (
+            jax.jit(lambda p, o: ravel_pytree((p, o))[0], out_shardings=layout.replicated)
+            .lower(params, opt_state)
+            .compile()
+        )
+    marks.append(("compile", time.time()))
+    return CompiledStep(grad=grad, update=update, flatten=flatten, unravel=unravel, rows=fed,
+                        global_shapes={k: v.shape for k, v in sample.items()})
+
+
+def _state_shardings(program: TrainProgram, mesh, sharded: bool, replicated, rng) -> tuple:
+    """The params' and optimizer state's shardings: replicated, or by
+    the layout's specs (the optimizer state following its params)."""
+    if not sharded:
+        return replicated, replicated
+    import jax
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from ray_elastic.layout import resolve_param_specs
+
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+    abstract = jax.eval_shape(program.init_params, rng)
+    specs = resolve_param_specs(program.layout, abstract)
+    o_specs = optax.tree_map_params(
+        program.optimizer, lambda _, spec: spec, jax.eval_shape(program.optimizer.init, abstract), specs,
+        transform_non_params=lambda v: jax.tree.map(lambda _: PartitionSpec(), v), is_leaf=is_spec,
+    )
+    named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=is_spec)  # noqa: E731
+    return named(specs), named(o_specs)
+
+
+def _full(sharding, tree):
+    """One sharding per leaf of `tree` (a single one stands for all)."""
+    import jax
+
+    if isinstance(sharding, jax.sharding.Sharding):
+        return jax.tree.map(lambda _: sharding, tree)
+    return sharding
+
+
+def _sharded_struct(a, sharding):
+    import jax
+
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)
+

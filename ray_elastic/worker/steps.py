@@ -1,0 +1,119 @@
+"""The step's math on one host: the gradients of its batch shards, a
+reduction-tree node's sum, and the apply of the mean gradient.
+
+Slices are data-parallel replicas of each other; the controller is the
+slice axis. It hands each slice its batch shards, routes their gradients
+to the slices that reduce or apply them (refs in Ray's object store: the
+values never pass through the driver), and has every slice apply the mean.
+Under a replicated layout host 0 speaks for its slice (every host holds
+the same values); under a sharded one every host sends and sums its own
+blocks with the same host index of the other slices (shards.py). Either
+way the gradients are summed in the order of their shards (reduction.py),
+so the state does not depend on which slice computed which shard.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from ray_elastic.worker.exchange_stats import ExchangeStats
+from ray_elastic.worker.notices import PreemptionNotice
+from ray_elastic.worker.reduction import divided, reduce_pieces
+from ray_elastic.worker.setup import CompiledStep, StateLayout
+from ray_elastic.worker.shards import from_local_blocks, local_blocks
+from ray_elastic.worker.state import HeldState
+from ray_elastic.worker.transfer import device_array
+
+__all__ = ["SliceSteps"]
+
+
+class SliceSteps:
+    """Gradients, reductions and applies of one host of slice `slice_id`,
+    on the state it holds. The batch of (step, shard) is the program's
+    `make_batch(seed, step, shard, num_shards)`, of which this host feeds
+    the rows its devices hold."""
+
+    def __init__(self, layout: StateLayout, compiled: CompiledStep, held: HeldState, *, slice_id: int,
+                 host: int, seed: int, num_shards: int, exchange: ExchangeStats, notice: PreemptionNotice):
+        self._layout, self._compiled, self._held = layout, compiled, held
+        self._slice_id, self._host = slice_id, host
+        self._seed, self._num_shards = seed, num_shards
+        self._exchange, self._notice = exchange, notice
+
+    def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
+        """(status, payload) of the gradients of `shards` at the held
+        state, which must be that of step `step`: status {"loss": {shard:
+        loss}} for the controller, payload {"grads", "loss", "from_slice"}
+        for the slices that reduce or apply it; (None, None) from the hosts
+        but 0 of a replicated slice."""
+        import jax
+
+        held = self._held
+        if step != held.step:
+            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for {step}")
+        held.ensure()
+        grads, losses = {}, {}
+        for shard in shards:
+            loss, g = self._compiled.grad(held.params, self._global_batch(self._local_batch(step, shard)))
+            if self._layout.sharded:  # every host sends its own blocks, to the same host of the other slices
+                grads[shard] = local_blocks(jax.tree.leaves(g))
+                losses[shard] = float(np.asarray(loss.addressable_data(0)))
+            elif self._host == 0:
+                grads[shard] = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), g)
+                losses[shard] = float(np.asarray(loss.addressable_data(0)))
+        if self._host != 0 and not self._layout.sharded:
+            return None, None  # host 0 speaks for the slice: the values are replicated
+        return {"loss": losses}, {"grads": grads, "loss": losses, "from_slice": self._slice_id}
+
+    def reduce(self, keys: tuple[int, ...], parts: tuple) -> tuple[dict, dict]:
+        """(status {"count"}, partial sum) of the pieces of `parts` named by `keys`."""
+        import jax
+
+        partial = reduce_pieces(jax.tree.map, keys, parts)
+        return {"count": partial["count"]}, partial
+
+    def apply(self, step: int, parts: tuple) -> dict:
+        """Apply the mean of the gradients in `parts` to the state of step
+        `step`; returns the metrics of the step (those of the last apply
+        when `step` is already applied). The caller holds the state's lock."""
+        import jax
+
+        held, layout = self._held, self._layout
+        if held.step == step + 1 and held.last_apply is not None:
+            return held.last_apply
+        if step != held.step:
+            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to apply {step}")
+        held.ensure()
+        total = reduce_pieces(jax.tree.map, None, parts)
+        n = total["count"]
+        mean = jax.tree.map(lambda a: divided(a, n), total["sum"])
+        if layout.sharded:
+            mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
+        else:
+            mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
+        held.advance(*self._compiled.update(held.params, held.opt_state, mean))
+        self._exchange.count(parts)
+        losses = total["loss"]
+        metrics = {
+            "step": step + 1,
+            "loss": float(np.mean([losses[s] for s in sorted(losses)])),
+            "shards": n,
+        }
+        if self._notice.at is not None:
+            metrics["preempt_notice_at"] = self._notice.at
+        held.last_apply = metrics
+        return metrics
+
+    def _local_batch(self, step: int, shard: int) -> dict:
+        """The rows of the shard's batch this host's devices hold."""
+        full = self._layout.program.make_batch(self._seed, step, shard, self._num_shards)
+        return {k: np.asarray(v)[self._compiled.rows] for k, v in full.items()}
+
+    def _global_batch(self, local: dict) -> dict:
+        import jax
+
+        return {k: jax.make_array_from_process_local_data(self._layout.batch_sharding, v,
+                                                          self._compiled.global_shapes[k])
+                for k, v in local.items()}
