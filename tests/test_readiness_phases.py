@@ -98,9 +98,10 @@ def test_phases_across_two_clocks_are_never_negative():
 
 
 def test_a_workers_phases_from_its_own_process():
-    """SliceWorker._phases reads this process's start from the kernel: an
-    actor created after it is in a process started ahead (warm), one
-    created before it in a process started for it."""
+    """A worker's set-up phases (readiness_phases) read its process's
+    start from the kernel: an actor created after it is in a process
+    started ahead (warm), one created before it in a process started for
+    it."""
     from ray_elastic.worker.readiness import _process_started_at, readiness_phases
 
     started = _process_started_at()
