@@ -169,7 +169,7 @@ def _tree(sim, k: int, payloads: list, down_to_one: bool = False) -> tuple[list,
 
 
 def _gather(refs: list) -> None:
-    """Every reply, read as step_runner._gather does (block on one, then
+    """Every reply, read as StepRunner.gather does (block on one, then
     take whatever else finishes within 10 ms in one more wait)."""
     import ray
 

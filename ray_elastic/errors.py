@@ -42,7 +42,13 @@ class ElasticError(Exception):
 
 
 class ConfigError(ElasticError, ValueError):
-    """A setting is invalid; raised before any cluster resource is reserved."""
+    """A setting is invalid; `setting` names it. Raised before any cluster
+    resource is reserved for everything the driver can check alone (configs,
+    faults, paths, group-leader ranges). What depends on the program or on
+    a slice's devices (a layout's mesh against the devices, a batch that
+    does not split over them, group leaders with a sharded layout) is found
+    when the workers set up or at the first step, and ends the run with
+    this error."""
 
     def __init__(self, setting: str, problem: str):
         self.setting = setting

@@ -168,13 +168,28 @@ def test_leader_replies_cross_a_process_with_their_failure():
     ranks it by phase and learns whether the group kept its gradients."""
     from ray import cloudpickle
 
-    from ray_elastic.dispatch.replies import Applied, Failed, Phase, Ready
+    from ray_elastic.dispatch.replies import Applied, Failed, LeaderPhase, Ready
     from ray_elastic.dispatch.tree import Top
     from ray_elastic.errors import WorkerHung
 
-    failed = Failed(WorkerHung(4, 0, 9, "no answer", node_silent=True, leader_partial=True), Phase.GRADS)
+    failed = Failed(WorkerHung(4, 0, 9, "no answer", node_silent=True, leader_partial=True), LeaderPhase.GRADS)
     back = cloudpickle.loads(cloudpickle.dumps(failed))
-    assert isinstance(back, Failed) and back.phase is Phase.GRADS
+    assert isinstance(back, Failed) and back.phase is LeaderPhase.GRADS
     assert back.failure.node_silent and back.failure.leader_partial and back.failure.partial is None
     assert cloudpickle.loads(cloudpickle.dumps(Ready((Top(0, "ref"),), 2))) == Ready((Top(0, "ref"),), 2)
     assert cloudpickle.loads(cloudpickle.dumps(Applied({(0, 0): {"loss": 1.0}}, None))).next_tops is None
+
+
+def test_a_single_leader_range_is_refused_before_any_resource():
+    """4 slices in leaders of 2 would be 2 leaders, but the reduction tree's
+    fan-in (8 shards) makes the 4 shards one range: the trainer's
+    constructor says so, before Ray is even started."""
+    import ray
+
+    from ray_elastic import ElasticTrainer
+
+    was_up = ray.is_initialized()
+    with pytest.raises(ConfigError) as e:
+        ElasticTrainer(lambda: None, ElasticConfig(num_slices=4, slices_per_leader=2), 10)
+    assert e.value.setting == "slices_per_leader" and "fan-in" in str(e.value)
+    assert ray.is_initialized() == was_up

@@ -15,7 +15,7 @@ from ray import exceptions as rex
 
 from ray_elastic.cluster.backend import SliceUp
 from ray_elastic.checkpoint.host_writes import HostRestore
-from ray_elastic.errors import CheckpointDamaged, ConfigError, RunFailed, StateLoadFailed
+from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
 from ray_elastic.dispatch.assignment import leader_ranges
 from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
@@ -53,11 +53,6 @@ class RayBackend:
         self.ranges: Optional[list] = None
         if slices_per_leader:
             self.ranges, depth = leader_ranges(num_shards, num_slices, slices_per_leader, self.runner.fan_in)
-            if len(self.ranges) < 2:
-                raise ConfigError("slices_per_leader", (
-                    f"{num_shards} shards make one leader's range (ranges are whole multiples of the reduction "
-                    f"tree's fan-in, {self.runner.fan_in} shards): one leader only adds a hop. Set 0, or use "
-                    "leaders from 2 * fan-in shards up"))
             self.runner = GroupedRunner(self.locator, clock, self.ranges, depth)
         self._coming: dict[int, Provisioning] = {}
         self._up: dict[int, LiveSlice] = {}  # set up: ready to join, or live

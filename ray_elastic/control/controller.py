@@ -29,7 +29,7 @@ from ray_elastic.callbacks import Callback
 from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
-from ray_elastic.dispatch.assignment import assign_shards
+from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
 from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted, StateLoadFailed
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
@@ -86,6 +86,11 @@ class Controller:
         check_faults(faults, config.num_slices, len(config.slice.bundles()))
         if config.slices_per_leader and any(f.phase != "grads" for f in faults):
             raise ConfigError("faults", "with slices_per_leader, faults fire at the gradient phase only (phase='grads')")
+        if config.slices_per_leader and seams.backend is None:
+            # Read now, not at import: tests lower the fan-in.
+            from ray_elastic.dispatch import step_runner
+
+            leader_ranges(config.shards, config.num_slices, config.slices_per_leader, step_runner.APPLY_FAN_IN)
         self.config = config
         self.steps = steps
         self._factory = program_factory

@@ -1,8 +1,8 @@
 """Which part of a step's global batch each live slice computes.
 
 The global batch of step k is shards 0..num_shards-1, each a pure function
-of (seed, k, shard) supplied by the user's `make_batch`. There is one shard
-per configured slice. The gradient of a step is the mean of the shard
+of (seed, k, shard) supplied by the user's `make_batch`. There are
+`batch_shards` shards (by default one per configured slice). The gradient of a step is the mean of the shard
 gradients taken in shard order, so it does not depend on which slice
 computed which shard: with "accumulate" a run on fewer slices takes the same
 optimisation steps as a failure-free run.
@@ -11,6 +11,8 @@ optimisation steps as a failure-free run.
 from __future__ import annotations
 
 from typing import Iterable, Optional, Sequence
+
+from ray_elastic.errors import ConfigError
 
 __all__ = ["assign_shards", "host_rows", "leader_groups", "leader_ranges", "rows_fed", "spread_shards"]
 
@@ -96,13 +98,21 @@ def leader_ranges(num_shards: int, num_slices: int, slices_per_leader: int, fan_
     multiple of `fan_in` shards and starts at a multiple of its length, so
     a leader's levels are whole subtrees of the tree the driver alone would
     build (the same additions in the same order: bitwise the same sums).
-    The depth is the most levels whose nodes the range holds whole."""
+    The depth is the most levels whose nodes the range holds whole. A
+    single range is a ConfigError (the controller checks it before any
+    resource is reserved)."""
     leaders = -(-num_slices // slices_per_leader)
     size = fan_in * -(-num_shards // (leaders * fan_in))
     depth, span = 0, 1
     while size % (span * fan_in) == 0:
         depth, span = depth + 1, span * fan_in
-    return [(lo, min(lo + size, num_shards)) for lo in range(0, num_shards, size)], depth
+    ranges = [(lo, min(lo + size, num_shards)) for lo in range(0, num_shards, size)]
+    if len(ranges) < 2:
+        raise ConfigError("slices_per_leader", (
+            f"{num_shards} shards make one leader's range (ranges are whole multiples of the reduction "
+            f"tree's fan-in, {fan_in} shards): one leader only adds a hop. Set 0, or use "
+            "leaders from 2 * fan-in shards up"))
+    return ranges, depth
 
 
 def host_rows(batch_rows: int, host: int, hosts: int) -> slice:

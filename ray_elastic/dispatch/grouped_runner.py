@@ -1,7 +1,7 @@
 """The data plane through group leaders: the driver's side.
 
 With `slices_per_leader` set, the driver no longer calls every slice. The
-shards are cut into ranges (`data.leader_ranges`), one per leader; the
+shards are cut into ranges (`assignment.leader_ranges`), one per leader; the
 live slices into as many groups (`data.leader_groups`), each computing its
 own range. A steady step is one call per leader (dispatch/leader.py): the
 driver sums the leaders' subtree tops of step k (the tree's last levels:
@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from ray_elastic.dispatch.assignment import leader_groups
 from ray_elastic.dispatch.calls import Deadline, refs_by_slice
 from ray_elastic.dispatch.leader import GroupLeader
-from ray_elastic.dispatch.replies import Applied, Failed, Phase, Ready, Reissued
+from ray_elastic.dispatch.replies import Applied, Failed, LeaderPhase, Ready, Reissued
 from ray_elastic.dispatch.step_runner import PartialStep, StepResult, StepRunner, per_host
 from ray_elastic.dispatch.tree import parts_of, tops_of
 from ray_elastic.errors import ConfigError, FailureKind, RunFailed, SliceFailure
@@ -88,7 +88,7 @@ class _Ranked:
 
     @classmethod
     def of(cls, reply: Failed, seen: list) -> "_Ranked":
-        return cls(0 if reply.phase is Phase.GRADS else 2, len(seen), reply.failure)
+        return cls(0 if reply.phase is LeaderPhase.GRADS else 2, len(seen), reply.failure)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +249,7 @@ class GroupedRunner:
                 except rex.RayTaskError as e:  # a leader's own error: a defect, not a slice's failure
                     raise RunFailed(f"group leader {g}: {e}", setting="slices_per_leader") from None
                 if isinstance(reply, Failed):
-                    grads = reply.phase is Phase.GRADS
+                    grads = reply.phase is LeaderPhase.GRADS
                     failures.append(_Ranked.of(reply, failures))
                     if grads:
                         call_off()

@@ -49,7 +49,7 @@ import ray
 
 from ray_elastic.dispatch.assignment import spread_shards
 from ray_elastic.dispatch.calls import Deadline, Issued, refs_by_slice
-from ray_elastic.dispatch.replies import Applied, CalledOff, Failed, LeaderReply, Phase, Ready, Reissued
+from ray_elastic.dispatch.replies import Applied, CalledOff, Failed, LeaderPhase, LeaderReply, Ready, Reissued
 from ray_elastic.dispatch.step_runner import PartialStep, StepRunner
 from ray_elastic.dispatch.tree import Part, gates, holders, parts_of, refs_of, tops_of
 from ray_elastic.errors import SliceFailure
@@ -210,7 +210,7 @@ class GroupLeader:
         if ahead is not None:
             nxt = issue_subtrees(r, k + 1, live, ahead, self._ranges, self._depth,
                                  refs_by_slice(applies, start=driver_applies))
-        phase, since = Phase.GRADS, r.reissued
+        phase, since = LeaderPhase.GRADS, r.reissued
         try:
             if self._from_finish:
                 r.gather(pre.grads, k, wait, live)  # as the driver's finish: a second loss redoes the step
@@ -227,7 +227,7 @@ class GroupLeader:
                 self._kept = Issued(k, dict(live), pre.assignment, [], pre.payloads, [], {0: tops})
                 r.drop(nxt)
                 return Reissued(tops_of(tops))
-            phase, since = Phase.APPLY, r.reissued
+            phase, since = LeaderPhase.APPLY, r.reissued
             r.gather(copy, k, wait, live)
             if r.reissued != since:
                 # The applies hold the first copy's void ref: issue them
@@ -245,7 +245,7 @@ class GroupLeader:
             return CalledOff()
         except SliceFailure as f:
             r.drop(nxt)
-            if phase is Phase.GRADS and not self._from_finish:
+            if phase is LeaderPhase.GRADS and not self._from_finish:
                 self._kept = None
                 self._partial = f.partial
             # The partial's gradients and calls stay here, for finish: the

@@ -12,10 +12,10 @@ from typing import Optional, Union
 
 from ray_elastic.errors import SliceFailure
 
-__all__ = ["Applied", "CalledOff", "Failed", "LeaderReply", "Phase", "Ready", "Reissued"]
+__all__ = ["Applied", "CalledOff", "Failed", "LeaderReply", "LeaderPhase", "Ready", "Reissued"]
 
 
-class Phase(str, enum.Enum):
+class LeaderPhase(str, enum.Enum):
     """Where a leader's step failed. In its gradient phase (with its
     subtrees), which depends on nothing outside its group: a failure of
     its own. In the apply: possibly only an echo of a failure elsewhere
@@ -63,7 +63,7 @@ class Failed:
     would, and where in the step."""
 
     failure: SliceFailure
-    phase: Phase
+    phase: LeaderPhase
 
 
 LeaderReply = Union[Ready, Applied, Reissued, CalledOff, Failed]
