@@ -57,6 +57,7 @@ import ray
 from ray import exceptions as rex
 
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning
+from ray_elastic.checkpoint.state_forms import FlatState, WholeState
 
 __all__ = ["FakeSlices", "FakeWorker", "dead_ref"]
 
@@ -217,16 +218,16 @@ class FakeWorker:
             self._last_apply = metrics
         return metrics, (self._flat_state() if snapshot else None)
 
-    def _flat_state(self) -> dict:
-        return {"step": self.step, "flat": self._owner.flat}
+    def _flat_state(self) -> FlatState:
+        return FlatState(self.step, self._owner.flat)
 
-    def _state(self) -> dict:
-        return {"step": self.step, "params": {"w": self._owner.flat}, "opt_state": {}}
+    def _state(self) -> WholeState:
+        return WholeState(self.step, {"w": self._owner.flat}, {})
 
     def _load_state(self, state: Any) -> int:
         if isinstance(state, ray.ObjectRef):
             state = ray.get(state)
-        self.step = int(state["step"])
+        self.step = int(state.step)
         self._last_apply = None
         return self.step
 

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.host_writes import HostRestore
+from ray_elastic.checkpoint.state_forms import FlatState
 from ray_elastic.checkpoint.store import STORAGE_ENV, CheckpointStore
 from ray_elastic.checkpoint.writer import CheckpointWriter
 from ray_elastic.errors import (
@@ -339,8 +340,7 @@ class CheckpointCoordinator:
             state = assemble([value(p) for p in snapshot_ref], template)
         else:
             snapshot = value(snapshot_ref)
-            state = unflatten(snapshot["flat"], template) if "flat" in snapshot else {
-                "params": snapshot["params"], "opt_state": snapshot["opt_state"]}
+            state = unflatten(snapshot.flat, template) if isinstance(snapshot, FlatState) else snapshot.trees()
         CheckpointStore(folder, keep=1, retries=1).save(step, state, {**self.facts, "step": step})
         return folder
 

@@ -436,7 +436,7 @@ def unflatten(flat, template) -> dict:
 
 def assemble(parts, template) -> dict:
     """Whole arrays from the hosts' blocks of a sharded state (each part a
-    host's `{"blocks": {(tag, leaf, block key): array}}`, as
+    host's `HostBlocks` (blocks keyed (tag, leaf, block key)), as
     ray_elastic.worker.shards keys them; tag "p" params, "o" optimizer state).
     Only the rescue to local disk uses it (coordinator.py), when the
     storage keeps failing: there the driver holds the whole state once."""
@@ -449,7 +449,7 @@ def assemble(parts, template) -> dict:
         out = [np.zeros(leaf.shape, leaf.dtype) for leaf in leaves]
         filled = [0] * len(leaves)
         for part in parts:
-            for (t, i, key), block in part["blocks"].items():
+            for (t, i, key), block in part.blocks.items():
                 if t != tag:
                     continue
                 out[i][tuple(slice(a, b) for a, b in key)] = block

@@ -14,6 +14,7 @@ import os
 from typing import Any, Optional
 
 from ray_elastic.checkpoint.cpu_priority import background_cpu
+from ray_elastic.checkpoint.state_forms import FlatState, WholeState
 from ray_elastic.checkpoint.store import CheckpointStore, orbax_checkpoint, unflatten
 
 __all__ = ["CheckpointWriter"]
@@ -53,7 +54,7 @@ class CheckpointWriter:
             log.warning("checkpoint writer: cannot open %s yet: %s", self.store.path, e)
         return os.getpid()
 
-    def save(self, step: int, snapshot: dict, template: Any, meta: dict, urgent: bool = False) -> dict:
+    def save(self, step: int, snapshot: FlatState | WholeState, template: Any, meta: dict, urgent: bool = False) -> dict:
         if urgent:
             return self._save(step, snapshot, template, meta)
         with background_cpu(BACKGROUND_SAVE_GRACE_S) as cpu:
@@ -61,14 +62,11 @@ class CheckpointWriter:
         info["escalated"] = cpu.escalated
         return info
 
-    def _save(self, step: int, snapshot: dict, template: Any, meta: dict) -> dict:
-        if "flat" in snapshot:
-            state = unflatten(snapshot["flat"], template)
-        else:
-            state = {"params": snapshot["params"], "opt_state": snapshot["opt_state"]}
+    def _save(self, step: int, snapshot: FlatState | WholeState, template: Any, meta: dict) -> dict:
+        state = unflatten(snapshot.flat, template) if isinstance(snapshot, FlatState) else snapshot.trees()
         return self.store.save(step, state, {**meta, "step": step})
 
-    def restore(self, step: Optional[int], template: Any) -> tuple[dict, dict]:
+    def restore(self, step: Optional[int], template: Any) -> tuple[dict, WholeState]:
         """Two results (call with num_returns=2): what happened, small, for
         the driver; and the state, for the workers only. A damaged `step`
         is moved aside and the newest intact one before it restored."""
@@ -78,7 +76,7 @@ class CheckpointWriter:
         target = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), template)
         state, meta, restored, damaged = self.store.restore_intact(step, target)
         info = {"step": restored, "requested": step, "damaged": damaged}
-        return info, {"step": restored, "params": state["params"], "opt_state": state["opt_state"], "meta": meta}
+        return info, WholeState(restored, state["params"], state["opt_state"], meta)
 
     def read_meta(self, step: int) -> dict:
         return self.store.read_meta(step)

@@ -63,6 +63,12 @@ class Seams:
     provisioner: Optional[type] = None
 
 
+def final_state(copy) -> dict | tuple:
+    """The user's `final_state`: {"step", "params", "opt_state"} of host
+    arrays (replicated), or one {"step", "blocks", "host"} per host (sharded)."""
+    return tuple(part.as_dict() for part in copy) if isinstance(copy, tuple) else copy.as_dict()
+
+
 class Controller:
     """The control loop behind `ElasticTrainer` (ray_elastic/trainer.py,
     where its arguments are described), with the seams tests use."""
@@ -170,7 +176,7 @@ class Controller:
             else:
                 self._saves.at_end(self.step)
             if self._keep_final_state and self.members.live:
-                self.final_state = backend.fetch(backend.state(min(self.members.live)))
+                self.final_state = final_state(backend.fetch(backend.state(min(self.members.live))))
         except RunFailed as e:
             outcome, error = "failed", str(e)
             raise

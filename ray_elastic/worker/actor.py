@@ -32,6 +32,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
+from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
 from ray_elastic.program import TrainProgram
 from ray_elastic.worker.checkpoints import HostCheckpointing
 from ray_elastic.worker.exchange_stats import ExchangeStats
@@ -202,21 +203,21 @@ class SliceWorker:
 
     # -- state -------------------------------------------------------------
 
-    def flat_state(self) -> dict:
+    def flat_state(self) -> FlatState | HostBlocks:
         """The held state's snapshot: one flat host buffer (a jitted ravel:
         one copy, not one per leaf) under a replicated layout, this host's
         own blocks under a sharded one (transfer.py); `load_state` takes it
         back."""
         return self._transfer.snapshot()
 
-    def state(self) -> dict:
+    def state(self) -> WholeState | HostBlocks:
         """The training state as host numpy arrays, for a joining slice:
         the whole trees (replicated) or this host's blocks (sharded); views
         of the device buffers (transfer.py)."""
         with self._held.lock:
             return self._transfer.copy()
 
-    def load_state(self, state: dict) -> int:
+    def load_state(self, state: FlatState | HostBlocks | WholeState) -> int:
         """Hold `state`: a snapshot, a copy from `state`, or whole arrays;
         a sharded one only from the same host index. Returns its step."""
         return self._transfer.load(state)

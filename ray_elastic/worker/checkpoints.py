@@ -9,6 +9,7 @@ checkpointed by the writer actor instead (checkpoint/writer.py).
 
 from __future__ import annotations
 
+from ray_elastic.checkpoint.state_forms import HostBlocks
 from ray_elastic.worker.setup import StateLayout
 from ray_elastic.worker.state import HeldState
 from ray_elastic.worker.transfer import StateTransfer
@@ -24,12 +25,12 @@ class HostCheckpointing:
         self._host, self._hosts = host, hosts
         self._ckpts = None  # the HostCheckpoints of the last path, made on first use
 
-    def save(self, path: str, keep: int, meta: dict, save_id: str, part: dict) -> dict:
+    def save(self, path: str, keep: int, meta: dict, save_id: str, part: HostBlocks) -> dict:
         """Write `part` (snapshot blocks of this host index) as step
         meta["step"], with the other hosts of this slice."""
-        if int(part["step"]) != int(meta["step"]):
-            raise ValueError(f"asked to save step {meta['step']}, handed a snapshot of step {part['step']}")
-        state = self._transfer.from_blocks(part["blocks"])
+        if int(part.step) != int(meta["step"]):
+            raise ValueError(f"asked to save step {meta['step']}, handed a snapshot of step {part.step}")
+        state = self._transfer.from_blocks(part.blocks)
         return self._checkpoints(path, keep).save(int(meta["step"]), state, meta, save_id)
 
     def restore(self, path: str, keep: int, step: int, nonce: str) -> int:

@@ -4,12 +4,12 @@ for a joining slice, loads.
 What leaves a host depends on the layout:
 
 - replicated: every host holds the whole state. A snapshot is one flat
-  buffer (`{"step", "flat"}`, made by one jitted ravel: one copy, not one
-  per leaf); a copy for a joining slice is the trees of host arrays
-  (`{"step", "params", "opt_state"}`).
+  buffer (`FlatState`, made by one jitted ravel: one copy, not one per
+  leaf); a copy for a joining slice is the trees of host arrays
+  (`WholeState`).
 - sharded: no host holds the whole state, so both are this host's own
-  blocks (`{"step", "blocks", "host"}`, shards.py), and they load only into
-  the same host index of a slice of the same layout.
+  blocks (`HostBlocks`, shards.py), and they load only into the same host
+  index of a slice of the same layout.
 
 Whole arrays (a replicated copy, a checkpoint) load into either layout:
 each device takes its block of them.
@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
 from ray_elastic.checkpoint.store import unflatten
 from ray_elastic.worker.setup import CompiledStep, StateLayout
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
@@ -46,16 +47,16 @@ class StateTransfer:
         self._layout, self._compiled, self._held = layout, compiled, held
         self._slice_id, self._host = slice_id, host
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> FlatState | HostBlocks:
         """The state of the held step as it is kept in memory: one flat
         host buffer, or this host's blocks (sharded)."""
         self._held.ensure()
         if self._layout.sharded:
             return self.blocks()
         flat = self._compiled.flatten(self._held.params, self._held.opt_state)  # a fresh buffer: no copy needed
-        return {"step": self._held.step, "flat": np.asarray(flat.addressable_data(0))}
+        return FlatState(self._held.step, np.asarray(flat.addressable_data(0)))
 
-    def copy(self) -> dict:
+    def copy(self) -> WholeState | HostBlocks:
         """The state as host numpy arrays: the trees (replicated) or this
         host's blocks (sharded), views as in `blocks`."""
         import jax
@@ -65,10 +66,9 @@ class StateTransfer:
         if self._layout.sharded:  # never the whole state: this host's part
             return self.blocks()
         host = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731 (replicated; views, as in blocks)
-        return {"step": held.step, "params": jax.tree.map(host, held.params),
-                "opt_state": jax.tree.map(host, held.opt_state)}
+        return WholeState(held.step, jax.tree.map(host, held.params), jax.tree.map(host, held.opt_state))
 
-    def blocks(self) -> dict:
+    def blocks(self) -> HostBlocks:
         """This host's own blocks of the state: its snapshot, and what the
         same host of a joining slice loads.
 
@@ -82,26 +82,29 @@ class StateTransfer:
         held = self._held
         out = local_blocks(jax.tree.leaves(held.params), tag="p")
         out.update(local_blocks(jax.tree.leaves(held.opt_state), tag="o"))
-        return {"step": held.step, "blocks": out, "host": self._host}
+        return HostBlocks(held.step, out, self._host)
 
-    def load(self, state: dict) -> int:
+    def load(self, state: FlatState | HostBlocks | WholeState) -> int:
         """Hold `state` (any of the forms above, or a checkpoint's whole
         arrays); returns its step."""
-        if "blocks" in state:  # a sharded snapshot, from the same host index of another slice
-            if state.get("host", self._host) != self._host:
-                raise ValueError(f"host {self._host} of slice {self._slice_id} was handed host {state['host']}'s "
+        if isinstance(state, HostBlocks):  # a sharded snapshot, from the same host index of another slice
+            if state.host != self._host:
+                raise ValueError(f"host {self._host} of slice {self._slice_id} was handed host {state.host}'s "
                                  "blocks: a sharded state loads host to host")
-            trees = self.from_blocks(state["blocks"])
-            return self._held.hold(trees["params"], trees["opt_state"], int(state["step"]))
-        if "flat" in state:  # an in-memory snapshot
+            trees = self.from_blocks(state.blocks)
+            return self._held.hold(trees["params"], trees["opt_state"], int(state.step))
+        if isinstance(state, FlatState):  # an in-memory snapshot
             if self._compiled.unravel is not None:
-                params, opt_state = self._compiled.unravel(state["flat"])
-                state = {"step": state["step"], "params": params, "opt_state": opt_state}
+                params, opt_state = self._compiled.unravel(state.flat)
+                state = WholeState(state.step, params, opt_state)
             else:
                 # On the host, with numpy: jax's unravel runs one small
                 # device op per leaf, each compiled on first use, which in
                 # a new process costs more than the rest of the load.
-                state = dict(unflatten(state["flat"], self._layout.template), step=state["step"])
+                trees = unflatten(state.flat, self._layout.template)
+                state = WholeState(state.step, trees["params"], trees["opt_state"])
+        if not isinstance(state, WholeState):
+            raise TypeError(f"slice {self._slice_id} host {self._host} cannot load a {type(state).__name__}")
         return self._hold_whole(state)
 
     def from_blocks(self, blocks: dict) -> dict:
@@ -113,14 +116,14 @@ class StateTransfer:
         return {"params": jax.tree.unflatten(layout.param_def, from_local_blocks(blocks, layout.param_specs, "p")),
                 "opt_state": jax.tree.unflatten(layout.opt_def, from_local_blocks(blocks, layout.opt_specs, "o"))}
 
-    def _hold_whole(self, state: dict) -> int:
+    def _hold_whole(self, state: WholeState) -> int:
         layout = self._layout
 
         def make():
-            return (_put_tree(state["params"], layout.param_def, layout.param_specs),
-                    _put_tree(state["opt_state"], layout.opt_def, layout.opt_specs))
+            return (_put_tree(state.params, layout.param_def, layout.param_specs),
+                    _put_tree(state.opt_state, layout.opt_def, layout.opt_specs))
 
-        return self._held.hold_made(make, int(state["step"]))
+        return self._held.hold_made(make, int(state.step))
 
 
 def _put_tree(tree, treedef, specs):

@@ -5,6 +5,7 @@ Two slices exchange their blocks (each computes one batch shard) and one
 slice computes both: the same states, bitwise. Usage: driver.py fsdp|fsdp_tp
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -43,13 +44,13 @@ for k in range(3):
     m1, _ = one.apply(k, False, [p1])
     losses.append((ma["loss"], mb["loss"], m1["loss"]))
 state_a, state_one = a.state(), one.state()
-same = state_a["blocks"].keys() == state_one["blocks"].keys() and all(
-    np.array_equal(state_a["blocks"][key], state_one["blocks"][key]) for key in state_a["blocks"])
+same = state_a.blocks.keys() == state_one.blocks.keys() and all(
+    np.array_equal(state_a.blocks[key], state_one.blocks[key]) for key in state_a.blocks)
 fresh = worker(1)
 fresh.load_state(snap_b)
 refused = ""
 try:
-    worker(0).load_state(dict(snap_b, host=1))
+    worker(0).load_state(dataclasses.replace(snap_b, host=1))
 except ValueError as e:
     refused = str(e)
 _, pf = fresh.compute_grads(3, (0, 1))
