@@ -87,7 +87,7 @@ def preemption_commit(cluster, runs: int) -> dict:
                     seen["t"] = time.time()
                     drain_node(seen["node"], deadline_s=30)
 
-            trainer._callbacks.append(FunctionCallback(on_step=on_step))
+            trainer.add_callback(FunctionCallback(on_step=on_step))
             report = trainer.fit()
             saved = [e for e in report.events if e["event"] == "preempt_saved"]
             if saved:
@@ -140,8 +140,8 @@ def _own_core_writer(trainer, cpus: set):
     done = []
 
     def on_step(step, loss, slices):
-        if not done and trainer._ckpt is not None:
-            _pin_threads(trainer._ckpt.writer_pid(), cpus)
+        if not done and trainer.checkpoints is not None:
+            _pin_threads(trainer.checkpoints.writer_pid(), cpus)
             done.append(step)
 
     return FunctionCallback(on_step=on_step)
@@ -182,7 +182,7 @@ def checkpoint_overhead(cluster, pairs: int, steps: int, own_core: bool = True) 
             ck = CheckpointConfig(os.path.join(tempfile.mkdtemp(), "ck"), save_every=10, save_at_end=False) if with_ckpt else None
             trainer = ElasticTrainer(lm_factory(), ElasticConfig(num_slices=2, policy="resize"), steps, checkpoint=ck)
             if where == "core0" and with_ckpt:
-                trainer._callbacks.append(_own_core_writer(trainer, {1}))
+                trainer.add_callback(_own_core_writer(trainer, {1}))
             with (idle_cpu_load() if load else contextlib.nullcontext()), \
                     (_training_on({0}) if where == "core0" else contextlib.nullcontext()):
                 report = trainer.fit()

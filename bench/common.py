@@ -127,6 +127,8 @@ class DaemonCpu:
 
         import psutil
 
+        from ray_elastic.cluster.external_nodes import RAY_DAEMONS
+
         for p in psutil.process_iter(["pid", "cmdline", "cpu_times"]):
             cmd = " ".join(p.info.get("cmdline") or [])
             kind = next((k for k, needle in RAY_DAEMONS.items() if needle in cmd), None)

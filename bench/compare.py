@@ -91,7 +91,7 @@ def _recorder():
 
         def now(self) -> float:
             tr = self.trainer
-            return tr._clock() - tr._t0
+            return tr.elapsed_s()
 
         def on_start(self, trainer):
             self.trainer = trainer

@@ -3,7 +3,7 @@
 `FakeSlices` is a drop-in for `slice_group.RaySlices` (same methods:
 `start`, `poll`, `kill` (static), `placement_group_state`, `shutdown`)
 whose workers are light in-process objects with the methods of
-`worker.SliceWorker`. Every `.remote(...)` call makes one real Ray actor
+`worker.actor.SliceWorker`. Every `.remote(...)` call makes one real Ray actor
 call (on `_Clock`, below) that returns the results, so the controller's
 `ray.wait` / `ray.get` code runs for real and the driver pays what a real
 worker call costs it; only the JAX work and the worker processes are

@@ -29,7 +29,7 @@ has started; every variant waits the same.
 
 Variants, run in turn (round robin, so they share the machine's load):
 - `default`: what the controller does (the compile cache on, one warm
-  worker process per host: warm_pool.py);
+  worker process per host: worker/warm_pool.py);
 - `no_warm`: the default without the warm pool (warm_workers=0);
 - `no_cache`: compile_cache_dir="" (every compile from scratch);
 - `before`: no warm pool, and `RAY_ELASTIC_EAGER_SETUP=1` in the workers'

@@ -308,7 +308,7 @@ def _host_class():
     @ray.remote(num_cpus=0, max_concurrency=3, concurrency_groups={"compute": 1, "control": 1})
     class Host:
         """A real actor standing in for many slices' workers in `calibrate`:
-        the calls and replies of `worker.SliceWorker`, no JAX."""
+        the calls and replies of `worker.actor.SliceWorker`, no JAX."""
 
         def ping(self) -> bool:
             return True

@@ -204,7 +204,7 @@ class ElasticConfig:
     slices_per_leader: 0 (the default): the driver calls every slice
         itself, two calls per slice per step plus the reduction tree. N:
         one group leader actor per about N slices, beside the driver, makes
-        its group's calls, and the driver makes two per leader
+        its group's calls, and the driver makes one per leader per step
         (dispatch/grouped_runner.py). For hundreds of slices: at 1024 slices the
         driver's own calls take about 1.4 s of CPU per step, and through
         leaders of 32 slices about 0.1 s (`python -m bench scale --floor`).

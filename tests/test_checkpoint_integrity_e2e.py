@@ -121,15 +121,15 @@ def test_every_node_lost_skips_damaged_checkpoint(nodes, lm_factory, reference, 
             return  # the first pass only, not the replay after the restore
         seen[step] = True
         deadline = time.monotonic() + 60  # let steps 3 and 6 commit before the nodes go
-        while trainer._ckpt.last_saved != step - 1 and time.monotonic() < deadline:
-            trainer._ckpt.poll(block_s=0.5)
+        while trainer.checkpoints.last_saved != step - 1 and time.monotonic() < deadline:
+            trainer.checkpoints.poll(block_s=0.5)
         if step == 7:
             data = max(glob.glob(os.path.join(path, "6", "state", "ocdbt.process_0", "d", "*")), key=os.path.getsize)
             with open(data, "r+b") as f:
                 f.truncate(os.path.getsize(data) // 2)
             seen["bad"] = os.path.relpath(data, os.path.join(path, "6"))
 
-    trainer._callbacks.append(FunctionCallback(on_step=on_step, on_event=on_event))
+    trainer.add_callback(FunctionCallback(on_step=on_step, on_event=on_event))
     report = trainer.fit()
     [damaged] = [e for e in report.events if e["event"] == "checkpoint_damaged"]
     assert (damaged["step"], damaged["file"], damaged["instead"]) == (6, seen["bad"], 3)

@@ -115,10 +115,10 @@ def test_every_node_lost_restores_from_checkpoint(nodes, lm_factory, reference, 
     def on_step(step, loss, slices):
         if step == 7:  # let step 6's checkpoint commit before the nodes go
             deadline = time.monotonic() + 60
-            while trainer._ckpt.last_saved != 6 and time.monotonic() < deadline:
-                trainer._ckpt.poll(block_s=0.5)
+            while trainer.checkpoints.last_saved != 6 and time.monotonic() < deadline:
+                trainer.checkpoints.poll(block_s=0.5)
 
-    trainer._callbacks.append(FunctionCallback(on_step=on_step, on_event=on_event))
+    trainer.add_callback(FunctionCallback(on_step=on_step, on_event=on_event))
     report = trainer.fit()
     assert report.failures[-1].restored_from == "checkpoint"
     assert any(e["event"] == "restore" and e["source"] == "checkpoint" and e["step"] == 6 for e in report.events)
@@ -136,9 +136,9 @@ def test_checkpoint_writer_killed_mid_write_is_recovered(nodes, lm_factory, gcs)
     seen = {}
 
     def on_step(step, loss, slices):
-        c = trainer._ckpt
-        if "pid" not in seen and c._writer is not None:
-            seen["pid"] = ray.get(c._writer.pid.remote(), timeout=60)
+        c = trainer.checkpoints
+        if "pid" not in seen and c.writer_running:
+            seen["pid"] = c.writer_pid()
         if step == 4:
             gcs.pause()  # step 4's save, submitted right after this, hangs
         if step == 6 and "killed" not in seen:
@@ -147,7 +147,7 @@ def test_checkpoint_writer_killed_mid_write_is_recovered(nodes, lm_factory, gcs)
             seen["killed"] = True
             gcs.resume()
 
-    trainer._callbacks.append(FunctionCallback(on_step=on_step))
+    trainer.add_callback(FunctionCallback(on_step=on_step))
     try:
         report = trainer.fit()
     finally:
@@ -220,7 +220,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
             cluster.remove_node(seen["node"])  # the cloud takes the node away
             cluster.add_node()
 
-    trainer._callbacks.append(FunctionCallback(on_step=on_step, on_event=on_event))
+    trainer.add_callback(FunctionCallback(on_step=on_step, on_event=on_event))
     report = trainer.fit()
     f = report.failures[0]
     assert f.kind == "preempted" and f.slice == 1 and f.steps_rewound == 0
@@ -243,7 +243,7 @@ def test_storage_down_mid_run_then_back(nodes, lm_factory, gcs):
         if step == 60:
             gcs.start()
 
-    trainer._callbacks.append(FunctionCallback(on_step=on_step))
+    trainer.add_callback(FunctionCallback(on_step=on_step))
     try:
         report = trainer.fit()
     finally:

@@ -221,13 +221,13 @@ def test_run_state_is_typed():
     orig = backend.poll
 
     def poll(block_s=0.0):
-        seen.append(trainer._state)
+        seen.append(trainer.state)
         return orig(block_s)
 
     backend.poll = poll
     trainer.fit()
     assert any(isinstance(s, Waiting) for s in seen)
-    assert isinstance(trainer._state, Running) and not trainer._state.fresh
+    assert isinstance(trainer.state, Running) and not trainer.state.fresh
 
 
 def test_resize_completes_the_step_in_flight_on_the_survivors():

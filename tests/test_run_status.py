@@ -11,7 +11,7 @@ import pytest
 from ray_elastic import ElasticConfig, ProgressCallback
 from ray_elastic.control.controller import Controller, Seams
 from ray_elastic.callbacks import Callback, Phase
-from ray_elastic.errors import FailureKind, ReplacementTimeout
+from ray_elastic.errors import ConfigError, FailureKind, ReplacementTimeout
 
 from test_controller import FakeBackend, FakeClock
 
@@ -49,7 +49,8 @@ def test_pause_announces_waiting_then_recovering_then_training():
     trainer.fit()
     assert rec.phases() == [Phase.STARTING, Phase.TRAINING, Phase.RECOVERING, Phase.WAITING, Phase.RECOVERING,
                            Phase.TRAINING, Phase.DONE]
-    assert rec.state_after("detected").phase == Phase.RECOVERING  # from the moment it is known
+    detected = rec.state_after("detected")
+    assert detected.phase == Phase.RECOVERING and detected.live_slices == 1  # from the moment it is known
     waiting = rec.state_after("wait")
     assert waiting.phase == Phase.WAITING and waiting.pending == (1,) and waiting.deadline_s == 60.0
     assert waiting.live_slices == 1 and waiting.step == 3
@@ -96,3 +97,48 @@ def test_progress_shows_the_announced_state():
     for phase, line in lines_while_waiting:
         assert ("waiting" in line) == (phase == Phase.WAITING), (phase, line)
     assert "waiting for a replacement of slice 1 (up to 60 s)" in stream.getvalue()
+
+
+@pytest.mark.parametrize("error", [ConfigError("layout.mesh", "does not divide the slice"), KeyboardInterrupt()])
+def test_any_error_ends_the_run_failed(error):
+    """Not only RunFailed: an error found at the workers' set-up (a
+    ConfigError), a bug, Ctrl-C. Callbacks see FAILED and the end event
+    says so; the report is not 'completed'."""
+    clock = FakeClock()
+    backend = FakeBackend(clock, 2)
+
+    def broken(*args, **kwargs):
+        raise error
+
+    backend.run_step = broken
+    rec = Recorder()
+    trainer = Controller(lambda: None, ElasticConfig(num_slices=2), 10, callbacks=[rec],
+                         seams=Seams(clock=clock, backend=backend))
+    with pytest.raises(type(error)):
+        trainer.fit()
+    end = [x for kind, x in rec.seen if kind == "state"][-1]
+    assert end.phase == Phase.FAILED and end.reason
+    assert trainer.report.outcome == "failed" and trainer.report.error
+
+
+def test_an_error_before_any_slice_still_ends_the_run():
+    """A failure while the run sets up (before any slice is reserved) still
+    gives callbacks an end: FAILED, then on_end."""
+    clock = FakeClock()
+    backend = FakeBackend(clock, 2)
+    ended = []
+
+    class End(Callback):
+        def on_end(self, report):
+            ended.append(report.outcome)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no capacity API")
+
+    backend.start = broken
+    rec = Recorder()
+    trainer = Controller(lambda: None, ElasticConfig(num_slices=2), 10, callbacks=[rec, End()],
+                         seams=Seams(clock=clock, backend=backend))
+    with pytest.raises(RuntimeError):
+        trainer.fit()
+    assert rec.phases()[-1] == Phase.FAILED and ended == ["failed"]

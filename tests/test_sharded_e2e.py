@@ -139,7 +139,7 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     assert [(f.kind, f.slice) for f in report.failures] == [("process_died", 1), ("preempted", 0)][:len(faults)]
     _assert_same_blocks(trainer.final_state, baseline["state"])
     assert fetched == [("tuple", STEPS)]  # only the final state, asked for by the test
-    assert trainer._snapshots._pinned_value is None
+    assert not trainer.snapshots.has_pinned_copy
 
 
 @pytest.mark.parametrize("policy", ["resize", pytest.param("pause", marks=pytest.mark.slow)])

@@ -1,7 +1,7 @@
 """StepRunner's re-issue of a call whose error is transient (the worker
 answers a ping right after), with Ray's object API faked: a real
 `ActorUnavailableError` cannot be made to order on a local cluster. The
-errors are Ray's own classes; the failure classification (failure_location)
+errors are Ray's own classes; the failure classification (failures/location.py)
 is the real one, over a probe whose workers all answer."""
 
 from __future__ import annotations

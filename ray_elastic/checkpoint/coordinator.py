@@ -123,6 +123,11 @@ class CheckpointCoordinator:
         """Start the writer and its imports now, alongside the slices."""
         self._warm_ref = self._writer_handle().warm.remote()
 
+    @property
+    def writer_running(self) -> bool:
+        """Whether a writer actor is up (one is made on first use)."""
+        return self._writer is not None
+
     def writer_pid(self) -> int:
         return ray.get(self._writer_handle().pid.remote())
 

@@ -73,6 +73,11 @@ class SnapshotStore:
         self._pinned_value = p.pinned.result() if p.pinned is not None else None
         self._complete, self._pending = p, None
 
+    @property
+    def has_pinned_copy(self) -> bool:
+        """Whether the driver holds a copy of the newest complete snapshot."""
+        return self._pinned_value is not None
+
     def latest_step(self) -> Optional[int]:
         self._promote()
         return None if self._complete is None else self._complete.step

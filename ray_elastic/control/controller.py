@@ -4,13 +4,13 @@ carries out what the policy decides.
 The loop, at every step boundary: take any preemption notice; let the
 policy decide on membership (grow, wait, go on); run a step on the live
 slices (step_runner, through the backend). A worker, node or hang failure
-surfaces as a `SliceFailure` (sorted once, in failure_location); the slice
+surfaces as a `SliceFailure` (sorted once, in failures/location.py); the slice
 is torn down, a replacement is queued on its placement group, and
 `policy.decide` says whether to train on (resize) or wait (pause).
 Survivors keep their state in memory; new slices load it from the newest
 snapshot or straight from a survivor (membership).
 
-The run's state is one of `Running(fresh)`, `Waiting(since)` and
+The run's state is one of `Running(fresh)`, `Waiting(since, until)` and
 `Stopping(reason)`; everything else the loop needs is derived from the
 slices, the snapshots and the step count.
 """
@@ -30,7 +30,7 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
-from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted, StateLoadFailed
+from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -130,6 +130,7 @@ class Controller:
         self._announced = None  # the RunStatus callbacks saw last
         self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
         self.members: Optional[Membership] = None  # made by fit()
+        self._snapshots: Optional[SnapshotStore] = None  # made by fit()
 
     # -- the loop ---------------------------------------------------------
 
@@ -141,21 +142,22 @@ class Controller:
         for cb in self._callbacks:
             cb.on_start(self)
         self._t0 = self._clock()
-        # Storage is checked, and a cold start found, before any slice is
-        # reserved.
-        resume_from = self._ckpt.preflight() if self._ckpt else None
-        if self._ckpt:
-            self._ckpt.start_writer()
-        backend = self._backend or self._ray_backend()
-        self._snapshots = SnapshotStore(fetch=backend.fetch)
-        self.members = Membership(
-            backend, self._snapshots, self._event, checkpoints=self._ckpt,
-            load_timeout_s=max(30.0, self.config.first_step_deadline_s),
-        )
-        self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name)
+        backend, self._snapshots = None, None
         self._preemption.install()
         outcome, error = "completed", ""
         try:
+            # Storage is checked, and a cold start found, before any slice
+            # is reserved.
+            resume_from = self._ckpt.preflight() if self._ckpt else None
+            if self._ckpt:
+                self._ckpt.start_writer()
+            backend = self._backend or self._ray_backend()
+            self._snapshots = SnapshotStore(fetch=backend.fetch)
+            self.members = Membership(
+                backend, self._snapshots, self._event, checkpoints=self._ckpt,
+                load_timeout_s=max(30.0, self.config.first_step_deadline_s),
+            )
+            self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name)
             self._start()
             if self._ckpt:
                 backend.attach_checkpoints(self._ckpt, min(self.members.live))
@@ -177,20 +179,45 @@ class Controller:
                 self._saves.at_end(self.step)
             if self._keep_final_state and self.members.live:
                 self.final_state = final_state(backend.fetch(backend.state(min(self.members.live))))
-        except RunFailed as e:
-            outcome, error = "failed", str(e)
+        except BaseException as e:  # RunFailed, a ConfigError found at set-up, a bug, Ctrl-C: all end the run
+            outcome, error = "failed", str(e) or type(e).__name__
             raise
         finally:
             self._preemption.uninstall()
             self._outcome, self._error = outcome, error
             self._event("end", steps=self.step, outcome=outcome, **({"error": error} if error else {}))
-            self._snapshots.close()
+            if self._snapshots is not None:
+                self._snapshots.close()
             if self._ckpt is not None:
                 self._ckpt.shutdown()
-            backend.shutdown()
+            if backend is not None:
+                backend.shutdown()
             for cb in self._callbacks:
                 cb.on_end(self.report)
         return self.report
+
+    def add_callback(self, callback: Callback) -> None:
+        """Add a callback before `fit` (one that needs the trainer itself)."""
+        self._callbacks.append(callback)
+
+    @property
+    def checkpoints(self) -> Optional[CheckpointCoordinator]:
+        """The driver's side of durable checkpoints; None without a CheckpointConfig."""
+        return self._ckpt
+
+    @property
+    def snapshots(self) -> Optional[SnapshotStore]:
+        """The in-memory snapshots (made by `fit`)."""
+        return self._snapshots
+
+    @property
+    def state(self) -> RunState:
+        """The controller's own run state (Running, Waiting or Stopping)."""
+        return self._state
+
+    def elapsed_s(self) -> float:
+        """Seconds since `fit` started, on the controller's clock."""
+        return self._clock() - self._t0
 
     def hosts(self, slice_id: int) -> list[dict]:
         """pid, node_id and ip of each host of a live or ready slice."""
@@ -213,8 +240,10 @@ class Controller:
 
     def _announce(self) -> None:
         """Tell callbacks the run's state when it has changed: their one model of it."""
-        live = len(self.members.live) if self.members is not None else 0
         failures = self._open + ([self._handling] if self._handling is not None else [])
+        # The slice just found failed is not live, though membership has not dropped it yet.
+        gone = {self._handling.slice_id} if self._handling is not None else set()
+        live = len(self.members.live - gone) if self.members is not None else 0
         now = status(self._state, failures, self._started, self._outcome, self._clock() - self._t0,
                      self.step, live, self._error)
         last = self._announced

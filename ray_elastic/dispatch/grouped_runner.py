@@ -2,7 +2,7 @@
 
 With `slices_per_leader` set, the driver no longer calls every slice. The
 shards are cut into ranges (`assignment.leader_ranges`), one per leader; the
-live slices into as many groups (`data.leader_groups`), each computing its
+live slices into as many groups (`assignment.leader_groups`), each computing its
 own range. A steady step is one call per leader (dispatch/leader.py): the
 driver sums the leaders' subtree tops of step k (the tree's last levels:
 a few calls on the slices' workers, issued on refs), makes the

@@ -12,7 +12,7 @@ one call per leader per step (dispatch/grouped_runner.py has the driver's side):
   leader-owned copy of `top` (the driver's sum of every group's subtrees:
   its object is fetched once per leader, not once per slice), then step
   k+1's gradient calls behind them and the group's subtrees over them
-  (whole subtrees of the reduction tree, `data.leader_ranges`), all issued
+  (whole subtrees of the reduction tree, `assignment.leader_ranges`), all issued
   at once as in the driver's pipelined dispatch, so nothing waits on the
   leader or the driver between a step's gradients and its applies. Then
   it gathers step k's gradients and subtrees (the "grads" phase), then

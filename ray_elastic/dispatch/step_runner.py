@@ -17,7 +17,7 @@ equal to a failure-free one). Phase 2: every host applies the mean; the
 slices chosen to snapshot return the new state with their reply, so a step
 is never reported done before its snapshot is sealed.
 
-A lost or hung host surfaces as a `SliceFailure` (failure_location), the
+A lost or hung host surfaces as a `SliceFailure` (failures/location.py), the
 first one seen; gradients never pass through the driver.
 
 Pipelined dispatch (`pipeline`, on unless RAY_ELASTIC_PIPELINE=0; replicated
@@ -406,7 +406,7 @@ class StepRunner:
 
     def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
         """After a failure, settle the step's apply calls before the
-        survivors say which step they hold (controller._reconcile): those
+        survivors say which step they hold (Membership.reconcile): those
         not started yet (still waiting for an input, which may sit on a
         frozen node) are cancelled; those of `slices` (None: all) that run
         end (up to timeout_s). Pipelined, a survivor's apply may have had

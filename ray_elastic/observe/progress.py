@@ -157,7 +157,8 @@ class ProgressCallback(Callback):
             if status.phase != self._mode:
                 self._set_mode(status.phase)
             self._wait_deadline_s = status.deadline_s
-            self._slices = status.live_slices
+            if status.phase != Phase.STARTING:  # none are live yet: the line shows no count
+                self._slices = status.live_slices
             if self.tty:
                 self._draw()
 
