@@ -22,6 +22,7 @@ def _png(path: str) -> None:
     assert os.path.getsize(path) > 2000
 
 
+@pytest.mark.slow
 def test_compare_tiny(cluster, nodes, lm_factory, tmp_path):
     pytest.importorskip("matplotlib")
     from bench import compare
@@ -72,6 +73,7 @@ def test_compare_tiny(cluster, nodes, lm_factory, tmp_path):
     assert "recovery.png" in data["files"]["png"]
 
 
+@pytest.mark.slow
 def test_scale_tiny(cluster, tmp_path):
     pytest.importorskip("matplotlib")
     from bench import scale
@@ -90,6 +92,7 @@ def test_scale_tiny(cluster, tmp_path):
     _png(scale.chart(result, str(tmp_path / "scale.png")))
 
 
+@pytest.mark.slow
 def test_scale_pipelined_tiny(cluster):
     """Fake slices with a set step time: pipelined dispatch issues steps
     ahead, a failure while it does loses no step (resize), and the bench
@@ -115,6 +118,7 @@ def test_scale_pipelined_tiny(cluster):
     assert "| 16 | yes | – |" in table and "| 16 | yes | 2 |" in table and "real actors" in table
 
 
+@pytest.mark.slow
 def test_call_floor_tiny(cluster):
     """`python -m bench scale --floor`: every call pattern runs its steps
     at the compute's pace (no step beats it: the simulated slices compute
@@ -148,6 +152,7 @@ def test_fake_slices_failure_is_actor_died(cluster):
         ray.get(dead_ref(), timeout=30)
 
 
+@pytest.mark.slow
 def test_ready_tiny(cluster, nodes, lm_factory):
     """`python -m bench ready`: every phase of a replacement's way to ready
     is measured, and they add up to about the whole; by default the

@@ -99,7 +99,8 @@ def _plain_orbax_latest(path: str):
     return ocp.CheckpointManager(path).latest_step()
 
 
-@pytest.mark.parametrize("kind", ["bitflip", "truncate", "missing", "metadata"])
+@pytest.mark.parametrize("kind", ["bitflip", pytest.param("truncate", marks=pytest.mark.slow),
+                                  pytest.param("missing", marks=pytest.mark.slow), "metadata"])
 def test_cold_start_skips_damaged_newest_step(where, kind, capsys):
     """--verify names the damaged step and file and exits 1; a cold start
     (the coordinator's preflight) reports step, file and reason, moves the

@@ -55,6 +55,7 @@ def _trainer(factory, steps, path, **kw):
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("storage", [pytest.param("local", marks=pytest.mark.slow), "gcs"])
 def test_cold_start_after_cluster_torn_down(storage, nodes, lm_factory, reference, tmp_path, request):
     """Job 1 runs on its own cluster, which is then torn down entirely. Job
@@ -126,6 +127,7 @@ def test_every_node_lost_restores_from_checkpoint(nodes, lm_factory, reference, 
     _assert_equal(trainer.final_state, reference)
 
 
+@pytest.mark.slow
 def test_checkpoint_writer_killed_mid_write_is_recovered(nodes, lm_factory, gcs):
     """The server freezes while step 4 is being written and the writer is
     SIGKILLed mid-write: training goes on, a new writer takes over, the
@@ -230,6 +232,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
     assert report.steps_completed == 250 and report.slices_per_step[-1] == 2
 
 
+@pytest.mark.slow
 def test_storage_down_mid_run_then_back(nodes, lm_factory, gcs):
     """The GCS server is stopped mid-run and started again: training never
     stops, saves fail or wait meanwhile, and later steps commit."""

@@ -99,6 +99,7 @@ def _common_checks(report, kind):
 # -- pause and resume --------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pause_worker_killed(nodes, lm_factory, baseline):
     nodes(2)
     trainer, report = _run(lm_factory, _config(policy="pause"), faults=(Fault("kill", 1, FAIL_AT),))
@@ -232,6 +233,7 @@ def test_resize_worker_hung(nodes, lm_factory, baseline):
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
+@pytest.mark.slow
 def test_resize_shrink_mode_drops_lost_shards(nodes, lm_factory, baseline):
     nodes(2)
     trainer, report = _run(
@@ -247,6 +249,7 @@ def test_resize_shrink_mode_drops_lost_shards(nodes, lm_factory, baseline):
 # -- ends of the road ------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_retry_budget_spent_raises_named_error(nodes, lm_factory):
     nodes(2)
     with pytest.raises(RetryBudgetExhausted, match="max_retries") as info:
@@ -254,6 +257,7 @@ def test_retry_budget_spent_raises_named_error(nodes, lm_factory):
     assert info.value.setting == "max_retries"
 
 
+@pytest.mark.slow
 def test_wait_times_out_with_named_error(nodes, lm_factory):
     cluster = nodes(2)
     with pytest.raises(ReplacementTimeout, match="timeout_s") as info:

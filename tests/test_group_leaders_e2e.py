@@ -73,6 +73,7 @@ def test_leaders_give_the_drivers_results(reference, nodes, lm_factory, fan_in_2
     _assert_bitwise_equal(trainer.final_state, reference)
 
 
+@pytest.mark.slow
 def test_a_slice_killed_in_the_gradient_phase_redoes_no_step(reference, nodes, lm_factory, fan_in_2):
     """Slice 1 (leader 0's group, with slice 0) is killed as step 0's
     gradient calls are issued (the first step: nothing was issued ahead,
@@ -125,6 +126,7 @@ def test_a_killed_leader_is_replaced_and_nothing_is_lost(reference, nodes, lm_fa
     _assert_bitwise_equal(trainer.final_state, reference)
 
 
+@pytest.mark.slow
 def test_a_node_removed_with_leaders(reference, nodes, lm_factory, fan_in_2):
     """Slice 2's node (leader 1's group) is removed with its processes:
     leader 1 finds the node gone, the other leader's call is called off,

@@ -346,6 +346,7 @@ def _assert_readiness_phases(logs: str) -> None:
         assert "process_start" in phases or "warm_process" in phases, e
 
 
+@pytest.mark.slow
 def test_job_with_injected_fault_recovers(ray_cluster):
     steps = 150
     job_id = _submit(ray_cluster, "--slices", "2", "--policy", "resize", "--steps", str(steps),

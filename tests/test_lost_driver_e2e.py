@@ -123,6 +123,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_lost_driver_resubmitted_resumes_from_newest_checkpoint(ray_cluster, tmp_path):
     from ray.job_submission import JobStatus
 

@@ -185,6 +185,7 @@ def test_every_cli_option_has_help_with_its_default(sub):
             assert "default" in text, f"ray-elastic {sub} {action.option_strings}: help names no default"
 
 
+@pytest.mark.slow
 @pytest.mark.cluster
 def test_wheel_runs_the_demo_from_an_empty_folder(tmp_path):
     """`pip install .` (a wheel, not editable), then `ray-elastic demo` from

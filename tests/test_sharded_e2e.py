@@ -142,6 +142,7 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     assert not trainer.snapshots.has_pinned_copy
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["resize", pytest.param("pause", marks=pytest.mark.slow)])
 def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy):
     cluster.ensure_nodes(2 * HOSTS)

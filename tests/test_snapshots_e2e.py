@@ -90,6 +90,7 @@ def test_single_slice_node_lost_restores_driver_pinned_copy(nodes, lm_factory):
     _assert_same_state(trainer.final_state, ref.final_state)
 
 
+@pytest.mark.slow
 def test_snapshots_off_loses_only_what_memory_held(nodes, lm_factory):
     """With snapshot_every=0 and every worker gone, the run restarts from
     step 0 and still finishes every requested step."""
