@@ -157,11 +157,11 @@ def test_restore_during_run_falls_back(where):
 
     writer = CheckpointWriter(path, keep=5, retries=0, backoff_s=0.0)
     info, state = writer.restore(3, _template())
-    assert info["step"] == state["step"] == 2 and info["requested"] == 3
+    assert info["step"] == state.step == 2 and info["requested"] == 3
     [d] = info["damaged"]
     assert (d["step"], d["file"], d["moved_to"]) == (3, bad, "3.damaged")
     assert "checksum mismatch" in d["reason"]
-    _assert_state(state, 2)
+    _assert_state(state.trees(), 2)
     assert CheckpointStore(path).committed_steps() == [1, 2]
 
 
