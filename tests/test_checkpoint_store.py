@@ -81,8 +81,14 @@ def test_background_saves_take_idle_cpu_and_escalate_when_starved():
         from ray_elastic.checkpoint.cpu_priority import _idle_class_reversible, background_cpu
         if not _idle_class_reversible():
             print("unprivileged"); raise SystemExit
-        def policies():
-            return {os.sched_getscheduler(int(t)) for t in os.listdir("/proc/self/task")}
+        def policies():  # of the threads alive now (the cancelled timer's may end while this reads)
+            out = set()
+            for t in os.listdir("/proc/self/task"):
+                try:
+                    out.add(os.sched_getscheduler(int(t)))
+                except ProcessLookupError:
+                    pass
+            return out
         idle, other = os.SCHED_IDLE, os.SCHED_OTHER
         with background_cpu(grace_s=60) as cpu:
             seen = []

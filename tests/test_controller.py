@@ -377,3 +377,4 @@ def test_a_step_the_survivors_applied_before_the_failure_counts(policy):
     assert f.steps_rewound == 0 and report.steps_completed == 8
     assert report.losses[5] == 1.0 / 6 and len(report.losses) == 8
     assert [k for k, _ in backend.steps_run].count(5) == 0  # never run again
+    assert report.slices_per_step[5] == 2  # computed by both slices, the lost one included

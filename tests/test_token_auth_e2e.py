@@ -271,7 +271,6 @@ def _jobs(head: TokenHead) -> list:
     return JobSubmissionClient(head.url, headers=head.auth_header()).list_jobs()
 
 
-@pytest.mark.slow
 def test_job_submit_is_refused_without_the_token(head):
     before = len(_jobs(head))
     out = _submit(head, "none")
@@ -283,7 +282,6 @@ def test_job_submit_is_refused_without_the_token(head):
     assert len(_jobs(head)) == before, "a refused submission must not create a job"
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("how", ["env", pytest.param("file", marks=pytest.mark.slow)])
 def test_job_submit_runs_with_the_token(head, how):
     out = _submit(head, how)
@@ -292,7 +290,6 @@ def test_job_submit_runs_with_the_token(head, how):
     assert re.search(r"Job 'raysubmit_\w+' succeeded", out.stdout + out.stderr), out.stdout[-2000:]
 
 
-@pytest.mark.slow
 def test_python_job_client_with_the_token(head):
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobStatus, JobSubmissionClient

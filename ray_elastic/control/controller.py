@@ -125,6 +125,7 @@ class Controller:
         self._open: list[OpenFailure] = []
         self._held = None  # (partial step, its failure): finished when paused slices are back
         self._t_step = 0.0  # when the step in flight started
+        self._step_slices = 0  # how many slices it started on
         self._t0 = 0.0
         self._started, self._outcome, self._error = False, "", ""
         self._announced = None  # the RunStatus callbacks saw last
@@ -356,7 +357,7 @@ class Controller:
 
     def _take_step(self) -> None:
         k, m, t_start, c = self.step, self.members, self._clock(), self.config
-        self._t_step = t_start
+        self._t_step, self._step_slices = t_start, len(m.live)
         assignment = assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None))
         takers = self._snapshot_takers(k + 1)
 
@@ -369,9 +370,11 @@ class Controller:
         result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead)
         self._complete_step(k, result, t_start)
 
-    def _complete_step(self, k: int, result, t_start: float, recovered: bool = True) -> None:
+    def _complete_step(self, k: int, result, t_start: float, recovered: bool = True,
+                       slices: Optional[int] = None) -> None:
         """Step k is done: its snapshots, time and metrics; `recovered`:
-        the open failures are over (not while paused for a replacement)."""
+        the open failures are over (not while paused for a replacement);
+        `slices`: how many computed it (default: the live ones)."""
         m = self.members
         self._preemption.record_step(result.metrics)
         for s, ref in result.snapshots.items():
@@ -387,7 +390,7 @@ class Controller:
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
         if not recovered:
-            return self._report_step(result, t_end - t_start)
+            return self._report_step(result, t_end - t_start, slices)
         self._state = Running(fresh=False)
         for f in self._open:
             redone = float(f.steps_rewound) if f.compute_redone is None else f.compute_redone
@@ -398,10 +401,11 @@ class Controller:
             )
         self._open.clear()
         self._announce()
-        self._report_step(result, t_end - t_start)
+        self._report_step(result, t_end - t_start, slices)
 
-    def _report_step(self, result, step_s: float) -> None:
-        step_metrics = {"loss": result.loss, "slices": len(self.members.live), "step_s": step_s}
+    def _report_step(self, result, step_s: float, slices: Optional[int] = None) -> None:
+        live = len(self.members.live) if slices is None else slices
+        step_metrics = {"loss": result.loss, "slices": live, "step_s": step_s}
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
 
@@ -463,7 +467,9 @@ class Controller:
             done = self.members.backend.applied(f.step, sorted(self.members.live))
             if done is not None:
                 last = self.step >= self.steps  # the run ends here: nothing to wait for
-                self._complete_step(f.step, done, self._t_step, recovered=last or not isinstance(self._state, Waiting))
+                # Computed by every slice of the step, the lost one included.
+                self._complete_step(f.step, done, self._t_step, recovered=last or not isinstance(self._state, Waiting),
+                                    slices=self._step_slices)
                 self._after_step()
         partial = f.partial
         if not (in_flight and partial is not None and self.step == f.step):
