@@ -56,7 +56,8 @@ class Callback:
         training, recovering, waiting, stopping, done or failed."""
 
     def on_step(self, step: int, metrics: dict) -> None:
-        """After every completed step. metrics: loss, slices, step_s."""
+        """After every completed step. metrics: loss, slices, step_s, and the
+        program's aux metrics by name (reduced over the global batch)."""
 
     def on_end(self, report: Any) -> None:
         """After the run, successful or not; report is the RunReport."""

@@ -25,6 +25,7 @@ __all__ = [
     "WorkerHung",
     "SlicePreempted",
     "RunFailed",
+    "NonFiniteLoss",
     "RetryBudgetExhausted",
     "ReplacementTimeout",
     "StorageError",
@@ -142,6 +143,22 @@ class RunFailed(ElasticError):
 
     def __reduce__(self):
         return (type(self), (self.args[0], self.setting))
+
+
+class NonFiniteLoss(RunFailed):
+    """A step's loss over the global batch is not finite and the program has
+    no `post_update` to skip such steps. Raised before the step is applied:
+    the state of the step before it is kept (the last snapshot and
+    checkpoint hold it)."""
+
+    def __init__(self, step: int, loss: float):
+        self.step, self.loss = step, loss
+        super().__init__(f"the loss of step {step} is {loss} (not finite); lower the learning rate, or set "
+                         "TrainProgram(post_update=ray_elastic.skip_nonfinite) to skip such steps",
+                         "program.post_update")
+
+    def __reduce__(self):
+        return (type(self), (self.step, self.loss))
 
 
 class RetryBudgetExhausted(RunFailed):

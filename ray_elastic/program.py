@@ -1,24 +1,102 @@
 """What a user hands to ray_elastic: the pieces of one data-parallel training job.
 
-Every piece is a plain function so that a worker process can rebuild the job
-from a pickled factory, and so that the batch for a step is a pure function of
-(seed, step, shard): a resumed or resized run then sees exactly the data a
-failure-free run sees.
+Every piece is a plain function so that a worker process can rebuild the
+job from a pickled factory, and so that the batch for a step is a pure
+function of (seed, step, shard): a resumed or resized run then sees exactly
+the data a failure-free run sees.
+
+Two loss contracts are accepted:
+
+- `loss_fn(params, batch) -> scalar`: the shard's mean loss. The step's
+  loss and gradient are the mean over the shards (each shard weighs the
+  same), as ray_elastic always did.
+- `loss_fn(params, batch, ctx) -> LossOutput`: `ctx` is the StepContext
+  (step, shard, RNG key, mesh, model state); the output is the shard's
+  summed loss and its weight (e.g. its real tokens), named aux metrics and
+  the updated model state. The step's loss is then sum(total) / sum(weight)
+  over the global batch and its gradient the gradient of that: what a
+  plain JAX job that divides by the real tokens of the global batch
+  computes, whatever the slice count. A scalar may still be returned
+  (weight 1).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping
+import inspect
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import numpy as np
 
+from ray_elastic.errors import ConfigError
 from ray_elastic.layout import Layout
 
 PyTree = Any
 Batch = Mapping[str, np.ndarray]
 
-__all__ = ["TrainProgram"]
+__all__ = ["LossOutput", "REDUCTIONS", "StepContext", "TrainProgram", "TrainState", "skip_nonfinite"]
+
+# How a per-shard value is combined over the global batch, in shard order:
+# sum; mean (every shard weighs the same); max; weighted_mean (each shard
+# weighs its loss weight, e.g. its real tokens).
+REDUCTIONS = ("sum", "mean", "max", "weighted_mean")
+# Names ray_elastic's own step metrics use: an aux metric may not take them.
+RESERVED_METRICS = ("loss", "slices", "step_s", "step", "shards", "weight")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a step's functions know besides the params and the batch.
+
+    step, shard: int32 scalars (traced, so one compiled step serves every
+    step); num_shards: the global batch's shard count (a Python int);
+    rng: a PRNG key derived only from (seed, step, shard), so a shard gets
+    the same key whichever slice computes it; mesh: the slice's
+    `jax.sharding.Mesh`; model_state: the program's non-trainable state
+    (e.g. Flax `batch_stats`), None without one."""
+
+    step: Any
+    shard: Any
+    num_shards: int
+    rng: Any
+    mesh: Any
+    model_state: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOutput:
+    """A shard's loss, as a context-taking `loss_fn` returns it.
+
+    total: the loss summed over the shard's rows (each times its weight);
+    weight: what `total` is divided by over the global batch (the shard's
+    real tokens or rows; 1 for a shard's mean loss); aux: named scalar
+    metrics, each reduced over the global batch as `TrainProgram.aux`
+    declares; model_state: the updated model state (None: unchanged)."""
+
+    total: Any
+    weight: Any = 1.0
+    aux: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    model_state: Any = None
+
+
+class TrainState(NamedTuple):
+    """The state `post_update` sees and returns."""
+
+    params: PyTree
+    opt_state: PyTree
+    model_state: PyTree = None
+
+
+def skip_nonfinite(old: TrainState, new: TrainState, grads: PyTree, metrics: Mapping[str, Any]) -> TrainState:
+    """A `post_update` that keeps the old state when the step's loss or
+    gradient is not finite (the step still counts, as in MaxText)."""
+    import jax
+    import jax.numpy as jnp
+
+    finite = jnp.isfinite(metrics["loss"])
+    for g in jax.tree.leaves(grads):
+        finite &= jnp.all(jnp.isfinite(g))
+    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,17 +104,76 @@ class TrainProgram:
     """A training job, split so the controller can place each piece.
 
     init_params: rng key -> parameter pytree (same key, same params everywhere).
-    loss_fn: (params, batch) -> scalar mean loss over the batch; jit-able.
+    loss_fn: (params, batch) -> the shard's mean loss, or (params, batch,
+        ctx) -> LossOutput or scalar (see the module's docstring); jit-able.
     optimizer: an optax GradientTransformation.
     make_batch: (seed, step, shard, num_shards) -> numpy batch of that shard of
         the step's global batch. Must be pure: the same arguments give the
         same arrays on any host, at any time.
     layout: how the state is laid out over a slice's devices (layout.py);
         the default replicates it on every device.
+    aux: aux metric name -> its reduction over the global batch (REDUCTIONS).
+        Every aux value `loss_fn` returns must be named here.
+    init_model_state: rng key -> the non-trainable state (e.g. Flax
+        `batch_stats`), carried beside the params, saved and restored with
+        them; `loss_fn` reads it as `ctx.model_state` and returns the new
+        one in `LossOutput.model_state`.
+    model_state_reduction: how the shards' new model states combine into
+        the step's (REDUCTIONS; "mean" is a synchronized batch norm).
+    post_update: (old TrainState, new TrainState, mean gradient, reduced
+        metrics) -> the TrainState to keep; jit-able and deterministic, run
+        identically on every slice (e.g. `skip_nonfinite`, weight clipping).
     """
 
     init_params: Callable[[Any], PyTree]
-    loss_fn: Callable[[PyTree, Batch], Any]
+    loss_fn: Callable[..., Any]
     optimizer: Any
     make_batch: Callable[[int, int, int, int], Batch]
     layout: Layout = dataclasses.field(default_factory=Layout)
+    aux: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    init_model_state: Optional[Callable[[Any], PyTree]] = None
+    model_state_reduction: Optional[str] = None
+    post_update: Optional[Callable[..., TrainState]] = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "aux", dict(self.aux))
+        for name, reduction in self.aux.items():
+            if not isinstance(name, str) or not name:
+                raise ConfigError("program.aux", f"metric names are non-empty strings, got {name!r}")
+            if name in RESERVED_METRICS or name.startswith("eval/"):
+                raise ConfigError("program.aux", f"{name!r} is a name ray_elastic reports itself; rename the metric")
+            if reduction not in REDUCTIONS:
+                raise ConfigError("program.aux", f"metric {name!r} has reduction {reduction!r}; "
+                                  f"choose one of {REDUCTIONS}")
+        if self.init_model_state is not None:
+            if self.model_state_reduction is None:
+                raise ConfigError("program.model_state_reduction", "init_model_state is set but not how the "
+                                  f"shards' model states combine; set it to one of {REDUCTIONS} "
+                                  "('mean' for batch statistics)")
+            if not self.takes_context:
+                raise ConfigError("program.loss_fn", "a program with model state needs loss_fn(params, batch, "
+                                  "ctx): it reads ctx.model_state and returns LossOutput(model_state=...)")
+        if self.model_state_reduction is not None and self.model_state_reduction not in REDUCTIONS:
+            raise ConfigError("program.model_state_reduction", f"got {self.model_state_reduction!r}; "
+                              f"choose one of {REDUCTIONS}")
+        if self.post_update is not None and not callable(self.post_update):
+            raise ConfigError("program.post_update", f"must be callable, got {self.post_update!r}")
+
+    @property
+    def takes_context(self) -> bool:
+        """Whether loss_fn takes (params, batch, ctx)."""
+        return _positional_args(self.loss_fn) >= 3
+
+    @property
+    def has_model_state(self) -> bool:
+        return self.init_model_state is not None
+
+
+def _positional_args(fn: Callable) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or an odd callable: today's contract
+        return 2
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return 3
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty for p in params)

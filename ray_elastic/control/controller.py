@@ -405,7 +405,7 @@ class Controller:
 
     def _report_step(self, result, step_s: float, slices: Optional[int] = None) -> None:
         live = len(self.members.live) if slices is None else slices
-        step_metrics = {"loss": result.loss, "slices": live, "step_s": step_s}
+        step_metrics = {"loss": result.loss, **result.aux, "slices": live, "step_s": step_s}
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
 

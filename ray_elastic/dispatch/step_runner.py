@@ -90,6 +90,11 @@ class StepResult:
     def loss(self) -> float:
         return next(iter(self.metrics.values()))["loss"]
 
+    @property
+    def aux(self) -> dict:
+        """The program's aux metrics of the step, reduced over the global batch."""
+        return dict(next(iter(self.metrics.values())).get("aux", {}))
+
 
 @dataclasses.dataclass(frozen=True)
 class PartialStep:

@@ -62,6 +62,8 @@ RECOVERY_BUCKETS_S = [0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800]
 # One set of metric objects per process: several runs (callbacks) share them
 # and tell their series apart by the `run` tag.
 _METRICS: Optional[dict] = None
+# Step metrics with gauges of their own; the others are the program's (elastic_train_metric).
+OWN_STEP_KEYS = ("loss", "slices", "step_s")
 _METRICS_LOCK = threading.Lock()
 
 
@@ -82,6 +84,8 @@ def _metrics() -> dict:
                 "step": Gauge("elastic_step", "steps completed (in the kept state)", run),
                 "steps_requested": Gauge("elastic_steps_requested", "steps the run was asked for", run),
                 "loss": Gauge("elastic_loss", "loss of the last completed step", run),
+                "train_metric": Gauge("elastic_train_metric", "the program's aux metrics (and evals) of the "
+                                      "last step that reported them, by name", ("run", "name")),
                 "step_seconds": Gauge("elastic_step_seconds", "duration of the last completed step", run),
                 "live_slices": Gauge("elastic_live_slices", "slices training now", run),
                 "spare_slices": Gauge("elastic_spare_slices", "hot spare slices ready to take a failed slice's place", run),
@@ -132,6 +136,7 @@ class MetricsCallback(Callback):
         self._m: Optional[dict] = None
         self._lock = threading.Lock()
         self._gauges: dict[str, float] = {}  # metric key -> last value
+        self._named: dict[str, float] = {}  # the program's metric name -> last value
         self._state = "starting"
         self._durations: list[float] = []  # of kept steps, by step index
         self._t_start: Optional[float] = None
@@ -220,6 +225,9 @@ class MetricsCallback(Callback):
             self._set("loss", float(m["loss"]))
         if "slices" in m:
             self._set("live_slices", int(m["slices"]))
+        with self._lock:
+            self._named.update({k: float(v) for k, v in m.items() if k not in OWN_STEP_KEYS
+                                and isinstance(v, (int, float)) and not isinstance(v, bool)})
         elapsed = self._clock() - (self._t_start or 0.0)
         if elapsed > 0:
             self._set("goodput", min(1.0, sum(self._durations) / elapsed))
@@ -253,8 +261,11 @@ class MetricsCallback(Callback):
         with self._lock:
             values = dict(self._gauges)
             state = self._state
+            named = dict(self._named)
         for key, value in values.items():
             m[key].set(value, tags=tags)
+        for name, value in named.items():
+            m["train_metric"].set(value, tags={"run": self.run_name, "name": name})
         for s in STATES:
             m["state"].set(1.0 if s == state else 0.0, tags={"run": self.run_name, "state": s})
 

@@ -39,6 +39,10 @@ def _fmt_s(s: float) -> str:
     return f"{int(s // 3600)}h{int(s % 3600 // 60):02d}m"
 
 
+# How many of the program's own metrics the live line shows.
+SHOWN_METRICS = 3
+
+
 class ProgressCallback(Callback):
     """total_steps: the run's steps. stream: where to write (stderr).
     events: in a terminal, "important" prints failures and recoveries as
@@ -74,6 +78,7 @@ class ProgressCallback(Callback):
         # What the live line shows.
         self._step = 0
         self._loss: Optional[float] = None
+        self._named: dict = {}  # the program's metrics (and evals) of the last step that had them
         self._slices: Optional[int] = None
         self._spares = 0  # hot spares ready
         self._num_slices: Optional[int] = None
@@ -166,6 +171,8 @@ class ProgressCallback(Callback):
         with self._lock:
             self._step = step
             self._loss = metrics.get("loss")
+            self._named.update({k: v for k, v in metrics.items() if k not in ("loss", "slices", "step_s")
+                                and isinstance(v, (int, float)) and not isinstance(v, bool)})
             self._slices = metrics.get("slices", self._slices)
             self._step_s = metrics.get("step_s")
             if isinstance(self._step_s, (int, float)):
@@ -226,6 +233,8 @@ class ProgressCallback(Callback):
                 parts.append(f"starting {_fmt_s(now - self._since)}")
             if self._loss is not None:
                 parts.append(f"loss {_num(self._loss, '.4f')}")
+            # The first few of the program's metrics: the line must fit a terminal.
+            parts += [f"{name} {_num(v, '.4g')}" for name, v in list(self._named.items())[:SHOWN_METRICS]]
             if self._slices is not None:
                 parts.append(f"slices {self._slices}" + (f"/{self._num_slices}" if self._num_slices else "")
                              + (f" +{self._spares} spare" if self._spares else ""))

@@ -47,6 +47,7 @@ class ReportRecorder(Callback):
             r.losses = [float("nan")] * step
             r.step_times = [0.0] * step
             r.slices_per_step = [0] * step
+            r.metrics_per_step = [{} for _ in range(step)]
         elif name == "checkpoint_saved":
             r.checkpoints.append({k: event[k] for k in ("step", "seconds", "bytes")})
         elif name == "end":
@@ -59,7 +60,7 @@ class ReportRecorder(Callback):
 
     def _truncate(self, steps: int) -> None:
         r = self.report
-        del r.losses[steps:], r.step_times[steps:], r.slices_per_step[steps:]
+        del r.losses[steps:], r.step_times[steps:], r.slices_per_step[steps:], r.metrics_per_step[steps:]
 
     def on_step(self, step: int, metrics: dict) -> None:
         r = self.report
@@ -67,4 +68,5 @@ class ReportRecorder(Callback):
         r.losses.append(metrics["loss"])
         r.step_times.append(metrics["step_s"])
         r.slices_per_step.append(metrics["slices"])
+        r.metrics_per_step.append({k: v for k, v in metrics.items() if k not in ("loss", "slices", "step_s")})
         r.final_loss = metrics["loss"]

@@ -40,6 +40,8 @@ class RunReport:
     losses: list[float] = dataclasses.field(default_factory=list)
     step_times: list[float] = dataclasses.field(default_factory=list)
     slices_per_step: list[int] = dataclasses.field(default_factory=list)
+    # Per step, the program's aux metrics (and evals on the steps that ran one).
+    metrics_per_step: list[dict[str, float]] = dataclasses.field(default_factory=list)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     outcome: str = "completed"  # completed | preempted | failed
     resumed_from: Optional[int] = None  # checkpoint step a cold start resumed from

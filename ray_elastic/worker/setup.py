@@ -28,6 +28,7 @@ import numpy as np
 from ray_elastic.dispatch.assignment import rows_fed
 from ray_elastic.errors import ConfigError
 from ray_elastic.program import TrainProgram
+from ray_elastic.worker.step_math import check_outputs, grad_function, join_slot, split_slot, update_function
 
 __all__ = ["CompiledStep", "InitialState", "StateLayout", "compile_step", "free_port", "lay_out", "start_jax"]
 
@@ -75,7 +76,7 @@ class InitialState:
     def make(self) -> tuple:
         """(params, opt_state) of step 0, laid out on the slice's mesh."""
         params = self._init_params.compile()(self._rng)
-        return params, self._init_opt.compile()(params)
+        return params, self._init_opt.compile()(params, self._rng)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +136,7 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
     p_shape = init_params.out_info
     p_out = _full(p_out, p_shape)
     params = jax.tree.map(_sharded_struct, p_shape, p_out)
-    init_opt = jax.jit(program.optimizer.init, out_shardings=o_out).lower(params)
+    init_opt = jax.jit(_init_slot(program), out_shardings=o_out).lower(params, rng)
     o_shape = init_opt.out_info
     o_out = _full(o_out, o_shape)
     opt_state = jax.tree.map(_sharded_struct, o_shape, o_out)
@@ -156,8 +157,10 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
 class CompiledStep:
     """The step's functions, compiled once for the slice's shapes.
 
-    grad: (params, global batch) -> (loss, gradient); update: (params,
-    opt_state, mean gradient) -> (params, opt_state), donating the state;
+    grad: (params, opt_state, global batch, step, shard) -> (total, weight,
+    aux, model state, gradient) (step_math.py); update: (params, opt_state,
+    mean gradient, model state, metrics) -> (params, opt_state), donating
+    the state;
     flatten: (params, opt_state) -> one replicated buffer, the snapshot of
     a replicated state (None when sharded: a host's snapshot is its own
     blocks); unravel: that buffer back to the trees, with jax, only under
@@ -180,7 +183,6 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     the step's functions are compiled. `eager_state`: (params, opt_state)
     already made (RAY_ELASTIC_EAGER_SETUP), for jax's unravel."""
     import jax
-    import optax
 
     program = layout.program
     sample = {k: np.asarray(v) for k, v in program.make_batch(seed, 0, 0, num_shards).items()}
@@ -195,19 +197,20 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     global_shape = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=layout.batch_sharding)
                     for k, v in sample.items()}
 
-    def grad_fn(params, batch):
-        return jax.value_and_grad(program.loss_fn)(params, batch)
-
-    def update_fn(params, opt_state, grads):
-        updates, opt_state = program.optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
     params, opt_state = layout.params_spec(), layout.opt_spec()
     p_out, o_out = layout.param_shardings, layout.opt_shardings
-    grad = jax.jit(grad_fn, out_shardings=(layout.replicated, p_out)).lower(params, global_shape).compile()
+    scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)  # noqa: E731
+    grad_fn = grad_function(program, layout.mesh, seed, num_shards)
+    rep = layout.replicated  # every scalar and the model state: whole on every device
+    lowered = jax.jit(grad_fn, out_shardings=(rep, rep, rep, rep, p_out)).lower(
+        params, opt_state, global_shape, scalar(np.int32), scalar(np.int32))
+    _, held_state = split_slot(program, opt_state)
+    check_outputs(program, lowered.out_info, held_state)
+    grad = lowered.compile()
+    metrics = {name: scalar(np.float32) for name in ("loss", *program.aux)}
     update = (
-        jax.jit(update_fn, out_shardings=(p_out, o_out), donate_argnums=(0, 1))
-        .lower(params, opt_state, params)
+        jax.jit(update_function(program), out_shardings=(p_out, o_out), donate_argnums=(0, 1))
+        .lower(params, opt_state, params, held_state, metrics)
         .compile()
     )
     from jax.flatten_util import ravel_pytree
@@ -226,9 +229,21 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
                         global_shapes={k: v.shape for k, v in sample.items()})
 
 
+def _init_slot(program: TrainProgram) -> Callable:
+    """(params, rng) -> the step-0 opt_state slot: the optimizer's state,
+    with the model state beside it when the program has one (step_math.py)."""
+
+    def init(params, rng):
+        model_state = program.init_model_state(rng) if program.has_model_state else None
+        return join_slot(program, program.optimizer.init(params), model_state)
+
+    return init
+
+
 def _state_shardings(program: TrainProgram, mesh, sharded: bool, replicated, rng) -> tuple:
     """The params' and optimizer state's shardings: replicated, or by
-    the layout's specs (the optimizer state following its params)."""
+    the layout's specs (the optimizer state following its params; a model
+    state is replicated)."""
     if not sharded:
         return replicated, replicated
     import jax
@@ -244,6 +259,9 @@ def _state_shardings(program: TrainProgram, mesh, sharded: bool, replicated, rng
         program.optimizer, lambda _, spec: spec, jax.eval_shape(program.optimizer.init, abstract), specs,
         transform_non_params=lambda v: jax.tree.map(lambda _: PartitionSpec(), v), is_leaf=is_spec,
     )
+    if program.has_model_state:
+        o_specs = join_slot(program, o_specs,
+                            jax.tree.map(lambda _: PartitionSpec(), jax.eval_shape(program.init_model_state, rng)))
     named = lambda tree: jax.tree.map(lambda p: NamedSharding(mesh, p), tree, is_leaf=is_spec)  # noqa: E731
     return named(specs), named(o_specs)
 

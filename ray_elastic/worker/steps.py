@@ -14,19 +14,36 @@ so the state does not depend on which slice computed which shard.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Optional
 
 import numpy as np
 
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.notices import PreemptionNotice
-from ray_elastic.worker.reduction import divided, reduce_pieces
+from ray_elastic.errors import NonFiniteLoss
+from ray_elastic.worker.reduction import divided, reduce_pieces, step_values
 from ray_elastic.worker.setup import CompiledStep, StateLayout
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
 from ray_elastic.worker.transfer import device_array
 
 __all__ = ["SliceSteps"]
+
+
+def _host_value(a):
+    """A replicated array's value on this host (its first local copy)."""
+    return np.asarray(a.addressable_data(0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reductions:
+    state: Optional[str]  # the model state's reduction (program.py)
+
+    @property
+    def state_op(self) -> str:
+        return "max" if self.state == "max" else "sum"
 
 
 class SliceSteps:
@@ -41,66 +58,84 @@ class SliceSteps:
         self._slice_id, self._host = slice_id, host
         self._seed, self._num_shards = seed, num_shards
         self._exchange, self._notice = exchange, notice
+        self._reductions = _Reductions(layout.program.model_state_reduction)
 
     def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
         """(status, payload) of the gradients of `shards` at the held
         state, which must be that of step `step`: status {"loss": {shard:
-        loss}} for the controller, payload {"grads", "loss", "from_slice"}
-        for the slices that reduce or apply it; (None, None) from the hosts
-        but 0 of a replicated slice."""
+        loss}} for the controller, payload {"grads", "loss", "weight",
+        "aux", "model_state", "from_slice"} (per shard) for the slices that
+        reduce or apply it; (None, None) from the hosts but 0 of a
+        replicated slice."""
         import jax
 
-        held = self._held
+        held, layout = self._held, self._layout
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for {step}")
         held.ensure()
-        grads, losses = {}, {}
+        speaks = layout.sharded or self._host == 0
+        out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}}
+        at_step = device_array(np.int32(step), layout.replicated)
         for shard in shards:
-            loss, g = self._compiled.grad(held.params, self._global_batch(self._local_batch(step, shard)))
-            if self._layout.sharded:  # every host sends its own blocks, to the same host of the other slices
-                grads[shard] = local_blocks(jax.tree.leaves(g))
-                losses[shard] = float(np.asarray(loss.addressable_data(0)))
-            elif self._host == 0:
-                grads[shard] = jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), g)
-                losses[shard] = float(np.asarray(loss.addressable_data(0)))
-        if self._host != 0 and not self._layout.sharded:
+            total, weight, aux, state, g = self._compiled.grad(
+                held.params, held.opt_state, self._global_batch(self._local_batch(step, shard)), at_step,
+                device_array(np.int32(shard), layout.replicated))
+            if not speaks:
+                continue
+            # Under a sharded layout every host sends its own blocks, to the
+            # same host of the other slices; a replicated slice's host 0 all.
+            out["grads"][shard] = (local_blocks(jax.tree.leaves(g)) if layout.sharded
+                                   else jax.tree.map(_host_value, g))
+            out["loss"][shard] = float(_host_value(total))
+            out["weight"][shard] = w = float(_host_value(weight))
+            out["aux"][shard] = {k: float(_host_value(v)) for k, v in aux.items()}
+            if state is not None:  # replicated: every sending host carries it whole
+                state = jax.tree.map(_host_value, state)
+                out["model_state"][shard] = (jax.tree.map(lambda a: a * np.asarray(w, a.dtype), state)
+                                             if self._reductions.state == "weighted_mean" else state)
+        if not speaks:
             return None, None  # host 0 speaks for the slice: the values are replicated
-        return {"loss": losses}, {"grads": grads, "loss": losses, "from_slice": self._slice_id}
+        return {"loss": out["loss"]}, {**out, "from_slice": self._slice_id}
 
     def reduce(self, keys: tuple[int, ...], parts: tuple) -> tuple[dict, dict]:
         """(status {"count"}, partial sum) of the pieces of `parts` named by `keys`."""
         import jax
 
-        partial = reduce_pieces(jax.tree.map, keys, parts)
+        partial = reduce_pieces(jax.tree.map, keys, parts, self._reductions.state_op)
         return {"count": partial["count"]}, partial
 
     def apply(self, step: int, parts: tuple) -> dict:
-        """Apply the mean of the gradients in `parts` to the state of step
-        `step`; returns the metrics of the step (those of the last apply
-        when `step` is already applied). The caller holds the state's lock."""
+        """Apply the step's gradient (the shards' sum over their summed
+        weight) in `parts` to the state of step `step`; returns the metrics
+        of the step (those of the last apply when `step` is already
+        applied). The caller holds the state's lock."""
         import jax
 
-        held, layout = self._held, self._layout
+        held, layout, program = self._held, self._layout, self._layout.program
         if held.step == step + 1 and held.last_apply is not None:
             return held.last_apply
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to apply {step}")
         held.ensure()
-        total = reduce_pieces(jax.tree.map, None, parts)
-        n = total["count"]
-        mean = jax.tree.map(lambda a: divided(a, n), total["sum"])
+        total = reduce_pieces(jax.tree.map, None, parts, self._reductions.state_op)
+        values = step_values(total, program.aux)
+        if not math.isfinite(values.loss) and program.post_update is None:
+            raise NonFiniteLoss(step, values.loss)
+        mean = jax.tree.map(lambda a: divided(a, values.weight), total["sum"])
         if layout.sharded:
             mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
         else:
             mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
-        held.advance(*self._compiled.update(held.params, held.opt_state, mean))
+        state = total["model_state"]
+        if state is not None:
+            by = {"mean": values.shards, "weighted_mean": values.weight}.get(self._reductions.state)
+            state = jax.tree.map(lambda a: device_array(a if by is None else divided(a, by), layout.replicated),
+                                 state)
+        scalars = {k: device_array(np.float32(v), layout.replicated)
+                   for k, v in {"loss": values.loss, **values.aux}.items()}
+        held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, scalars))
         self._exchange.count(parts)
-        losses = total["loss"]
-        metrics = {
-            "step": step + 1,
-            "loss": float(np.mean([losses[s] for s in sorted(losses)])),
-            "shards": n,
-        }
+        metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
         if self._notice.at is not None:
             metrics["preempt_notice_at"] = self._notice.at
         held.last_apply = metrics

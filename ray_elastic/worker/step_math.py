@@ -1,0 +1,127 @@
+"""The program's math as the worker compiles it: one shard's gradient
+with its loss, weight, aux metrics and model state, and the update with
+the program's `post_update` (program.py has the contracts).
+
+The model state, when the program has one, is carried in the optimizer
+state's slot as {"optimizer": ..., "model_state": ...}: snapshots, copies,
+checkpoints and every restore path move that slot whole, so the model
+state goes wherever the optimizer state goes. `split_slot` / `join_slot`
+are the one place that knows the packing.
+
+JAX is imported on use: the driver imports this module through the
+worker's actor class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ray_elastic.errors import ConfigError
+from ray_elastic.program import LossOutput, StepContext, TrainProgram, TrainState
+
+__all__ = ["check_outputs", "grad_function", "join_slot", "split_slot", "step_key", "update_function"]
+
+
+def split_slot(program: TrainProgram, slot: Any) -> tuple:
+    """(optimizer state, model state or None) of the held opt_state slot."""
+    if program.has_model_state:
+        return slot["optimizer"], slot["model_state"]
+    return slot, None
+
+
+def join_slot(program: TrainProgram, opt_state: Any, model_state: Any) -> Any:
+    if program.has_model_state:
+        return {"optimizer": opt_state, "model_state": model_state}
+    return opt_state
+
+
+def step_key(seed: int, step: Any, shard: Any) -> Any:
+    """The RNG key of (seed, step, shard), and of nothing else: a shard gets
+    the same key whichever slice computes it, in any run."""
+    import jax
+
+    return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), shard)
+
+
+def _as_output(value: Any) -> LossOutput:
+    if isinstance(value, LossOutput):
+        return value
+    if isinstance(value, (tuple, list, dict)):
+        raise ConfigError("program.loss_fn", f"returned a {type(value).__name__}; return the shard's loss as one "
+                          "scalar, or LossOutput(total=..., weight=..., aux={...}) for a summed loss with "
+                          "aux metrics")
+    return LossOutput(total=value)
+
+
+def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) -> Callable:
+    """(params, opt_state slot, batch, step, shard) -> (total, weight, aux,
+    new model state or None, gradient of total)."""
+    import jax
+
+    def grad_fn(params, slot, batch, step, shard):
+        _, model_state = split_slot(program, slot)
+        ctx = StepContext(step=step, shard=shard, num_shards=num_shards, rng=step_key(seed, step, shard),
+                          mesh=mesh, model_state=model_state)
+
+        def loss(p):
+            out = _as_output(program.loss_fn(p, batch, ctx) if program.takes_context else program.loss_fn(p, batch))
+            new_state = out.model_state if program.has_model_state else None
+            if program.has_model_state and new_state is None:
+                new_state = model_state
+            return out.total, (out.weight, dict(out.aux), new_state)
+
+        (total, (weight, aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return total, jax.numpy.asarray(weight, jax.numpy.float32), aux, new_state, grads
+
+    return grad_fn
+
+
+def update_function(program: TrainProgram) -> Callable:
+    """(params, opt_state slot, mean gradient, new model state, metrics) ->
+    (params, opt_state slot): the optimizer's update, then `post_update`."""
+    import optax
+
+    def update_fn(params, slot, grads, new_model_state, metrics):
+        opt_state, old_model_state = split_slot(program, slot)
+        updates, new_opt = program.optimizer.update(grads, opt_state, params)
+        new = TrainState(optax.apply_updates(params, updates), new_opt, new_model_state)
+        if program.post_update is not None:
+            new = program.post_update(TrainState(params, opt_state, old_model_state), new, grads, metrics)
+            if not isinstance(new, TrainState):
+                raise ConfigError("program.post_update", f"returned a {type(new).__name__}; return a TrainState "
+                                  "(params, opt_state, model_state)")
+        return new.params, join_slot(program, new.opt_state, new.model_state)
+
+    return update_fn
+
+
+def check_outputs(program: TrainProgram, out_info: Any, model_state: Any) -> None:
+    """Check the shapes the loss returns (the grad's lowered outputs)
+    before the first step: a scalar total and weight, aux metrics that are
+    scalars with a declared reduction, a model state shaped like the old."""
+    import jax
+
+    total, weight, aux, new_state, _ = out_info
+    if total.shape != ():
+        raise ConfigError("program.loss_fn", f"the loss has shape {total.shape}; return one number per shard "
+                          "(the mean loss, or LossOutput.total: the summed loss)")
+    if weight.shape != ():
+        raise ConfigError("program.loss_fn", f"LossOutput.weight has shape {weight.shape}; it is one number "
+                          "per shard (e.g. the shard's real tokens)")
+    undeclared = sorted(set(aux) - set(program.aux))
+    if undeclared:
+        raise ConfigError("program.aux", f"loss_fn returns aux metrics {undeclared} with no reduction; add them "
+                          "to TrainProgram(aux={name: 'sum' | 'mean' | 'max' | 'weighted_mean'})")
+    missing = sorted(set(program.aux) - set(aux))
+    if missing:
+        raise ConfigError("program.aux", f"metrics {missing} are declared but loss_fn does not return them "
+                          "in LossOutput.aux")
+    for name, value in aux.items():
+        if value.shape != ():
+            raise ConfigError("program.loss_fn", f"aux metric {name!r} has shape {value.shape}; a metric is "
+                              "one number per shard")
+    same = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)  # noqa: E731
+    if program.has_model_state and (jax.tree.structure(new_state) != jax.tree.structure(model_state) or not all(
+            same(a, b) for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(model_state)))):
+        raise ConfigError("program.loss_fn", "LossOutput.model_state is not shaped like init_model_state's "
+                          "(the same tree, shapes and dtypes)")
