@@ -12,6 +12,7 @@ from ray_elastic.errors import (
     FailureKind,
     NodeDied,
     ReplacementTimeout,
+    NonFiniteLoss,
     RetryBudgetExhausted,
     RunFailed,
     SliceFailure,
@@ -23,9 +24,10 @@ from ray_elastic.observe.events import EventLog, read_events
 from ray_elastic.failures.faults import Fault
 from ray_elastic.observe.metrics import MetricsCallback
 from ray_elastic.observe.progress import ProgressCallback
+from ray_elastic.observe.tensorboard import TensorBoardCallback
 from ray_elastic.retry import elastic_retry
 from ray_elastic.layout import Layout
-from ray_elastic.program import TrainProgram
+from ray_elastic.program import LossOutput, StepContext, TrainProgram, TrainState, skip_nonfinite
 from ray_elastic.observe.report import FailureRecord, RunReport
 
 __all__ = [
@@ -42,12 +44,17 @@ __all__ = [
     "ElasticConfig",
     "ElasticTrainer",
     "TrainProgram",
+    "LossOutput",
+    "StepContext",
+    "TrainState",
+    "skip_nonfinite",
     "Layout",
     "Fault",
     "EventLog",
     "read_events",
     "MetricsCallback",
     "ProgressCallback",
+    "TensorBoardCallback",
     "elastic_retry",
     "RunReport",
     "FailureRecord",
@@ -60,6 +67,7 @@ __all__ = [
     "WorkerHung",
     "SlicePreempted",
     "RunFailed",
+    "NonFiniteLoss",
     "RetryBudgetExhausted",
     "ReplacementTimeout",
 ]
