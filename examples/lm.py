@@ -44,6 +44,7 @@ __all__ = [
     "encode",
     "encoded_corpus",
     "generate_corpus",
+    "init_params",
     "make_optimizer",
     "make_program",
     "param_logical_axes",
@@ -285,20 +286,22 @@ class _Block(nn.Module):
     d_model: int
     num_heads: int
     mlp_dim: int
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool = True) -> jax.Array:
         h = nn.LayerNorm(name="ln_attn")(x)
         h = nn.MultiHeadDotProductAttention(
             num_heads=self.num_heads, qkv_features=self.d_model,
             out_features=self.d_model, deterministic=True, name="attn",
         )(h, h, mask=mask)
-        x = x + h
+        # Residual dropout, as in lm1b and MaxText (a no-op at rate 0).
+        x = x + nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         h = nn.LayerNorm(name="ln_mlp")(x)
         h = nn.Dense(self.mlp_dim, name="mlp_in")(h)
         h = nn.gelu(h)
         h = nn.Dense(self.d_model, name="mlp_out")(h)
-        return x + h
+        return x + nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
 
 
 class LMModel(nn.Module):
@@ -310,9 +313,10 @@ class LMModel(nn.Module):
     num_layers: int
     num_heads: int
     mlp_dim: int
+    dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, ids: jax.Array) -> jax.Array:
+    def __call__(self, ids: jax.Array, deterministic: bool = True) -> jax.Array:
         length = ids.shape[-1]
         tok = nn.Embed(self.vocab_size, self.d_model, name="tok_embed")(ids)
         pos = self.param(
@@ -321,7 +325,8 @@ class LMModel(nn.Module):
         x = tok + pos[:length]
         mask = nn.make_causal_mask(ids)
         for i in range(self.num_layers):
-            x = _Block(self.d_model, self.num_heads, self.mlp_dim, name=f"block_{i}")(x, mask)
+            x = _Block(self.d_model, self.num_heads, self.mlp_dim, self.dropout_rate,
+                       name=f"block_{i}")(x, mask, deterministic)
         x = nn.LayerNorm(name="ln_final")(x)
         # A small head init keeps the initial loss near log(vocab_size).
         return nn.Dense(
@@ -358,6 +363,11 @@ def _jitted_init(config: LMConfig) -> Any:
 
 def _init_params(config: LMConfig, rng: Any) -> dict:
     return _unfreeze(_jitted_init(config)(rng))
+
+
+def init_params(config: LMConfig, rng: Any) -> dict:
+    """The LM's step-0 params from `rng` (what make_program's init_params runs)."""
+    return _init_params(config, rng)
 
 
 def _unfreeze(tree: Any) -> Any:

@@ -123,6 +123,16 @@ class TrainProgram:
     post_update: (old TrainState, new TrainState, mean gradient, reduced
         metrics) -> the TrainState to keep; jit-able and deterministic, run
         identically on every slice (e.g. `skip_nonfinite`, weight clipping).
+    eval_fn: (params, batch, ctx) -> LossOutput or scalar, like loss_fn
+        but never differentiated; its aux metrics reduce by `eval_aux`.
+    make_eval_batch: (seed, shard, num_shards) -> numpy batch: shard
+        `shard` of the fixed held-out set. The set has as many shards as
+        the training batch; each is evaluated by the slice that computes
+        that training shard, so the result does not depend on the slices.
+    eval_every: evaluate the state of every step that is a multiple of it
+        (0: never; nothing is compiled or run). The figures of the state
+        after step k come with step k + 1's metrics, as "eval/loss" and
+        "eval/<name>".
     """
 
     init_params: Callable[[Any], PyTree]
@@ -134,17 +144,28 @@ class TrainProgram:
     init_model_state: Optional[Callable[[Any], PyTree]] = None
     model_state_reduction: Optional[str] = None
     post_update: Optional[Callable[..., TrainState]] = None
+    eval_fn: Optional[Callable[..., Any]] = None
+    make_eval_batch: Optional[Callable[[int, int, int], Batch]] = None
+    eval_every: int = 0
+    eval_aux: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
-        object.__setattr__(self, "aux", dict(self.aux))
-        for name, reduction in self.aux.items():
-            if not isinstance(name, str) or not name:
-                raise ConfigError("program.aux", f"metric names are non-empty strings, got {name!r}")
-            if name in RESERVED_METRICS or name.startswith("eval/"):
-                raise ConfigError("program.aux", f"{name!r} is a name ray_elastic reports itself; rename the metric")
-            if reduction not in REDUCTIONS:
-                raise ConfigError("program.aux", f"metric {name!r} has reduction {reduction!r}; "
-                                  f"choose one of {REDUCTIONS}")
+        for field in ("aux", "eval_aux"):
+            object.__setattr__(self, field, dict(getattr(self, field)))
+            for name, reduction in getattr(self, field).items():
+                if not isinstance(name, str) or not name or "/" in name:
+                    raise ConfigError(f"program.{field}", f"metric names are non-empty strings without '/', "
+                                      f"got {name!r}")
+                if name in RESERVED_METRICS:
+                    raise ConfigError(f"program.{field}", f"{name!r} is a name ray_elastic reports itself; "
+                                      "rename the metric")
+                if reduction not in REDUCTIONS:
+                    raise ConfigError(f"program.{field}", f"metric {name!r} has reduction {reduction!r}; "
+                                      f"choose one of {REDUCTIONS}")
+        if isinstance(self.eval_every, bool) or not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError("program.eval_every", f"must be an integer >= 0 (0: no eval), got {self.eval_every!r}")
+        if self.eval_every and (self.eval_fn is None or self.make_eval_batch is None):
+            raise ConfigError("program.eval_every", "an eval needs both eval_fn and make_eval_batch")
         if self.init_model_state is not None:
             if self.model_state_reduction is None:
                 raise ConfigError("program.model_state_reduction", "init_model_state is set but not how the "

@@ -21,10 +21,10 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-__all__ = ["StepValues", "divided", "reduce_pieces", "step_values"]
+__all__ = ["StepValues", "divided", "eval_values", "reduce_pieces", "step_values"]
 
 # Per-shard scalars of a phase-1 payload, carried through the tree as they are.
-PER_SHARD = ("loss", "weight", "aux")
+PER_SHARD = ("loss", "weight", "aux", "eval")
 
 
 def _pieces(part: dict) -> list[tuple[int, Any, Any, int]]:
@@ -105,10 +105,21 @@ class StepValues:
     shards: int
 
 
+def eval_values(total: dict, reductions: Mapping[str, str]) -> Optional[StepValues]:
+    """The eval's figures of a reduced step, if it ran one: each shard's
+    eval is {"total", "weight", "aux"}, combined as `step_values` does."""
+    evals = total.get("eval") or {}
+    if not evals:
+        return None
+    return step_values({"loss": {s: e["total"] for s, e in evals.items()},
+                        "weight": {s: e["weight"] for s, e in evals.items()},
+                        "aux": {s: e["aux"] for s, e in evals.items()}}, reductions)
+
+
 def step_values(total: dict, reductions: Mapping[str, str]) -> StepValues:
     """Combine the per-shard scalars of a reduced step (`reduce_pieces`'
     result), in shard order, so the figures do not depend on the slices."""
-    losses, weights, aux = total["loss"], total["weight"], total["aux"]
+    losses, weights, aux = total["loss"], total.get("weight", {}), total.get("aux", {})
     order = sorted(losses)
     w = {s: float(weights.get(s, 1.0)) for s in order}
     weight = math.fsum(w[s] for s in order)

@@ -28,7 +28,7 @@ import numpy as np
 from ray_elastic.dispatch.assignment import rows_fed
 from ray_elastic.errors import ConfigError
 from ray_elastic.program import TrainProgram
-from ray_elastic.worker.step_math import check_outputs, grad_function, join_slot, split_slot, update_function
+from ray_elastic.worker.step_math import check_outputs, eval_function, grad_function, join_slot, split_slot, update_function
 
 __all__ = ["CompiledStep", "InitialState", "StateLayout", "compile_step", "free_port", "lay_out", "start_jax"]
 
@@ -166,7 +166,8 @@ class CompiledStep:
     blocks); unravel: that buffer back to the trees, with jax, only under
     RAY_ELASTIC_EAGER_SETUP (else numpy does it: see transfer.py).
     rows: the rows of a shard's batch this host's devices hold;
-    global_shapes: the shard's batch shapes, per key."""
+    global_shapes: the shard's batch shapes, per key; evaluate, eval_rows,
+    eval_shapes: the same for the program's eval (None without one)."""
 
     grad: Any
     update: Any
@@ -174,6 +175,9 @@ class CompiledStep:
     unravel: Optional[Callable]
     rows: Any
     global_shapes: dict
+    evaluate: Optional[Any] = None  # (params, opt_state, eval batch, step, shard) -> (total, weight, aux)
+    eval_rows: Any = None
+    eval_shapes: Optional[dict] = None
 
 
 def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
@@ -185,18 +189,7 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     import jax
 
     program = layout.program
-    sample = {k: np.asarray(v) for k, v in program.make_batch(seed, 0, 0, num_shards).items()}
-    rows = next(iter(sample.values())).shape[0]
-    if rows % layout.batch_ways:
-        raise ConfigError("layout.batch_axes", f"a shard's batch of {rows} rows does not split over the "
-                          f"{layout.batch_ways} devices of the batch axes {layout.batch_axes}; make the per-shard "
-                          "batch a multiple of that, or split the batch over fewer axes")
-    # The rows this host's devices hold (all of them under tensor parallelism across hosts).
-    index = layout.batch_sharding.addressable_devices_indices_map((rows,))
-    fed = rows_fed([rows_of[0] for rows_of in index.values()], rows)
-    global_shape = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=layout.batch_sharding)
-                    for k, v in sample.items()}
-
+    fed, global_shape = _batch_feed(layout, program.make_batch(seed, 0, 0, num_shards), "layout.batch_axes")
     params, opt_state = layout.params_spec(), layout.opt_spec()
     p_out, o_out = layout.param_shardings, layout.opt_shardings
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)  # noqa: E731
@@ -207,6 +200,14 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     _, held_state = split_slot(program, opt_state)
     check_outputs(program, lowered.out_info, held_state)
     grad = lowered.compile()
+    evaluate = eval_fed = None
+    if program.eval_every:
+        eval_fed, eval_shape = _batch_feed(layout, program.make_eval_batch(seed, 0, num_shards),
+                                           "program.make_eval_batch")
+        lowered = jax.jit(eval_function(program, layout.mesh, seed, num_shards), out_shardings=rep).lower(
+            params, opt_state, eval_shape, scalar(np.int32), scalar(np.int32))
+        check_outputs(program, (*lowered.out_info, None, None), None, fn="eval_fn", declared=program.eval_aux)
+        evaluate = lowered.compile()
     metrics = {name: scalar(np.float32) for name in ("loss", *program.aux)}
     update = (
         jax.jit(update_function(program), out_shardings=(p_out, o_out), donate_argnums=(0, 1))
@@ -226,7 +227,27 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
         )
     marks.append(("compile", time.time()))
     return CompiledStep(grad=grad, update=update, flatten=flatten, unravel=unravel, rows=fed,
-                        global_shapes={k: v.shape for k, v in sample.items()})
+                        global_shapes={k: v.shape for k, v in global_shape.items()}, evaluate=evaluate,
+                        eval_rows=eval_fed, eval_shapes=None if evaluate is None else
+                        {k: v.shape for k, v in eval_shape.items()})
+
+
+def _batch_feed(layout: StateLayout, sample: dict, setting: str) -> tuple:
+    """(the rows of a shard's batch this host's devices hold, the shard's
+    global batch as jax.ShapeDtypeStruct per key), from a sample batch."""
+    import jax
+
+    sample = {k: np.asarray(v) for k, v in sample.items()}
+    rows = next(iter(sample.values())).shape[0]
+    if rows % layout.batch_ways:
+        raise ConfigError(setting, f"a shard's batch of {rows} rows does not split over the "
+                          f"{layout.batch_ways} devices of the batch axes {layout.batch_axes}; make the per-shard "
+                          "batch a multiple of that, or split the batch over fewer axes")
+    # The rows this host's devices hold (all of them under tensor parallelism across hosts).
+    index = layout.batch_sharding.addressable_devices_indices_map((rows,))
+    fed = rows_fed([rows_of[0] for rows_of in index.values()], rows)
+    return fed, {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=layout.batch_sharding)
+                 for k, v in sample.items()}
 
 
 def _init_slot(program: TrainProgram) -> Callable:

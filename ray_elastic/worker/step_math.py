@@ -19,7 +19,7 @@ from typing import Any, Callable
 from ray_elastic.errors import ConfigError
 from ray_elastic.program import LossOutput, StepContext, TrainProgram, TrainState
 
-__all__ = ["check_outputs", "grad_function", "join_slot", "split_slot", "step_key", "update_function"]
+__all__ = ["check_outputs", "eval_function", "grad_function", "join_slot", "split_slot", "step_key", "update_function"]
 
 
 def split_slot(program: TrainProgram, slot: Any) -> tuple:
@@ -43,11 +43,11 @@ def step_key(seed: int, step: Any, shard: Any) -> Any:
     return jax.random.fold_in(jax.random.fold_in(jax.random.PRNGKey(seed), step), shard)
 
 
-def _as_output(value: Any) -> LossOutput:
+def _as_output(value: Any, fn: str = "program.loss_fn") -> LossOutput:
     if isinstance(value, LossOutput):
         return value
     if isinstance(value, (tuple, list, dict)):
-        raise ConfigError("program.loss_fn", f"returned a {type(value).__name__}; return the shard's loss as one "
+        raise ConfigError(fn, f"returned a {type(value).__name__}; return the shard's loss as one "
                           "scalar, or LossOutput(total=..., weight=..., aux={...}) for a summed loss with "
                           "aux metrics")
     return LossOutput(total=value)
@@ -76,6 +76,20 @@ def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) 
     return grad_fn
 
 
+def eval_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) -> Callable:
+    """(params, opt_state slot, eval batch, step, shard) -> (total, weight, aux)."""
+    import jax.numpy as jnp
+
+    def eval_fn(params, slot, batch, step, shard):
+        _, model_state = split_slot(program, slot)
+        ctx = StepContext(step=step, shard=shard, num_shards=num_shards, rng=step_key(seed, step, shard),
+                          mesh=mesh, model_state=model_state)
+        out = _as_output(program.eval_fn(params, batch, ctx), "program.eval_fn")
+        return out.total, jnp.asarray(out.weight, jnp.float32), dict(out.aux)
+
+    return eval_fn
+
+
 def update_function(program: TrainProgram) -> Callable:
     """(params, opt_state slot, mean gradient, new model state, metrics) ->
     (params, opt_state slot): the optimizer's update, then `post_update`."""
@@ -95,33 +109,37 @@ def update_function(program: TrainProgram) -> Callable:
     return update_fn
 
 
-def check_outputs(program: TrainProgram, out_info: Any, model_state: Any) -> None:
-    """Check the shapes the loss returns (the grad's lowered outputs)
-    before the first step: a scalar total and weight, aux metrics that are
-    scalars with a declared reduction, a model state shaped like the old."""
+def check_outputs(program: TrainProgram, out_info: Any, model_state: Any, fn: str = "loss_fn",
+                  declared: Any = None) -> None:
+    """Check the shapes `fn` returns (its lowered outputs) before the
+    first step: a scalar total and weight, aux metrics that are scalars
+    with a declared reduction, a model state shaped like the old."""
     import jax
 
+    declared = program.aux if declared is None else declared
+    field = "aux" if fn == "loss_fn" else "eval_aux"
     total, weight, aux, new_state, _ = out_info
     if total.shape != ():
-        raise ConfigError("program.loss_fn", f"the loss has shape {total.shape}; return one number per shard "
+        raise ConfigError(f"program.{fn}", f"the loss has shape {total.shape}; return one number per shard "
                           "(the mean loss, or LossOutput.total: the summed loss)")
     if weight.shape != ():
-        raise ConfigError("program.loss_fn", f"LossOutput.weight has shape {weight.shape}; it is one number "
+        raise ConfigError(f"program.{fn}", f"LossOutput.weight has shape {weight.shape}; it is one number "
                           "per shard (e.g. the shard's real tokens)")
-    undeclared = sorted(set(aux) - set(program.aux))
+    undeclared = sorted(set(aux) - set(declared))
     if undeclared:
-        raise ConfigError("program.aux", f"loss_fn returns aux metrics {undeclared} with no reduction; add them "
-                          "to TrainProgram(aux={name: 'sum' | 'mean' | 'max' | 'weighted_mean'})")
-    missing = sorted(set(program.aux) - set(aux))
+        raise ConfigError(f"program.{field}", f"{fn} returns aux metrics {undeclared} with no reduction; add "
+                          f"them to TrainProgram({field}={{name: 'sum' | 'mean' | 'max' | 'weighted_mean'}})")
+    missing = sorted(set(declared) - set(aux))
     if missing:
-        raise ConfigError("program.aux", f"metrics {missing} are declared but loss_fn does not return them "
+        raise ConfigError(f"program.{field}", f"metrics {missing} are declared but {fn} does not return them "
                           "in LossOutput.aux")
     for name, value in aux.items():
         if value.shape != ():
-            raise ConfigError("program.loss_fn", f"aux metric {name!r} has shape {value.shape}; a metric is "
+            raise ConfigError(f"program.{fn}", f"aux metric {name!r} has shape {value.shape}; a metric is "
                               "one number per shard")
     same = lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype)  # noqa: E731
-    if program.has_model_state and (jax.tree.structure(new_state) != jax.tree.structure(model_state) or not all(
-            same(a, b) for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(model_state)))):
+    if fn == "loss_fn" and program.has_model_state and (
+            jax.tree.structure(new_state) != jax.tree.structure(model_state)
+            or not all(same(a, b) for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(model_state)))):
         raise ConfigError("program.loss_fn", "LossOutput.model_state is not shaped like init_model_state's "
                           "(the same tree, shapes and dtypes)")

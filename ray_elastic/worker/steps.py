@@ -23,7 +23,7 @@ import numpy as np
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
-from ray_elastic.worker.reduction import divided, reduce_pieces, step_values
+from ray_elastic.worker.reduction import divided, eval_values, reduce_pieces, step_values
 from ray_elastic.worker.setup import CompiledStep, StateLayout
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
@@ -93,9 +93,28 @@ class SliceSteps:
                 state = jax.tree.map(_host_value, state)
                 out["model_state"][shard] = (jax.tree.map(lambda a: a * np.asarray(w, a.dtype), state)
                                              if self._reductions.state == "weighted_mean" else state)
+        if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
+            out["eval"] = self._evaluate(step, shards, speaks)
         if not speaks:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": out["loss"]}, {**out, "from_slice": self._slice_id}
+
+    def _evaluate(self, step: int, shards: tuple[int, ...], speaks: bool) -> dict:
+        """The eval of the held state on the held-out shards of `shards`:
+        {shard: {"total", "weight", "aux"}} (empty from a host that does
+        not speak for its slice)."""
+        compiled, layout, out = self._compiled, self._layout, {}
+        at_step = device_array(np.int32(step), layout.replicated)
+        for shard in shards:
+            full = layout.program.make_eval_batch(self._seed, shard, self._num_shards)
+            local = {k: np.asarray(v)[compiled.eval_rows] for k, v in full.items()}
+            total, weight, aux = compiled.evaluate(
+                self._held.params, self._held.opt_state, self._global_batch(local, compiled.eval_shapes), at_step,
+                device_array(np.int32(shard), layout.replicated))
+            if speaks:
+                out[shard] = {"total": float(_host_value(total)), "weight": float(_host_value(weight)),
+                              "aux": {k: float(_host_value(v)) for k, v in aux.items()}}
+        return out
 
     def reduce(self, keys: tuple[int, ...], parts: tuple) -> tuple[dict, dict]:
         """(status {"count"}, partial sum) of the pieces of `parts` named by `keys`."""
@@ -136,6 +155,10 @@ class SliceSteps:
         held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, scalars))
         self._exchange.count(parts)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
+        evaluated = eval_values(total, program.eval_aux)
+        if evaluated is not None:  # of the state this step started from
+            metrics["aux"] = {**values.aux, "eval/loss": evaluated.loss,
+                              **{f"eval/{k}": v for k, v in evaluated.aux.items()}}
         if self._notice.at is not None:
             metrics["preempt_notice_at"] = self._notice.at
         held.last_apply = metrics
@@ -146,9 +169,9 @@ class SliceSteps:
         full = self._layout.program.make_batch(self._seed, step, shard, self._num_shards)
         return {k: np.asarray(v)[self._compiled.rows] for k, v in full.items()}
 
-    def _global_batch(self, local: dict) -> dict:
+    def _global_batch(self, local: dict, shapes: Optional[dict] = None) -> dict:
         import jax
 
-        return {k: jax.make_array_from_process_local_data(self._layout.batch_sharding, v,
-                                                          self._compiled.global_shapes[k])
+        shapes = self._compiled.global_shapes if shapes is None else shapes
+        return {k: jax.make_array_from_process_local_data(self._layout.batch_sharding, v, shapes[k])
                 for k, v in local.items()}
