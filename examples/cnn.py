@@ -37,7 +37,7 @@ class CNNConfig:
     shard_batch_size: int = 16
     features: int = 16
     learning_rate: float = 1e-2
-    noise: float = 0.5
+    noise: float = 1.5
 
 
 class CNN(nn.Module):

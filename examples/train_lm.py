@@ -101,7 +101,7 @@ def train(args: argparse.Namespace) -> int:
     from examples import lm
 
     program = example_program(lm, args, spec)  # its mesh must fit a slice's devices
-    print(f"training the example LM: {program.describe()}", flush=True)
+    print(f"training {program.describe()}", flush=True)
     # Workers import examples.lm too: ship the folder unless the job's
     # working_dir already carries it.
     ray.init(runtime_env={"py_modules": [os.path.dirname(os.path.abspath(lm.__file__))]})
@@ -109,9 +109,13 @@ def train(args: argparse.Namespace) -> int:
     def on_event(e):
         print(f"[{e['t']:8.2f} s] {e['event']} " + json.dumps({k: v for k, v in e.items() if k not in ("t", "event")}), flush=True)
 
-    def on_step(step, loss, slices):
-        if step % args.log_every == 0 or step == args.steps:
-            print(f"step {step}/{args.steps} loss {loss:.4f} slices {slices}", flush=True)
+    from ray_elastic import Callback
+    from ray_elastic.observe.progress import step_line
+
+    class StepLines(Callback):
+        def on_step(self, step, metrics):
+            if step % args.log_every == 0 or step == args.steps:
+                print(step_line(step, args.steps, metrics), flush=True)
 
     from ray_elastic.observe.events import EventLog
     from ray_elastic.observe.metrics import MetricsCallback
@@ -122,7 +126,7 @@ def train(args: argparse.Namespace) -> int:
         callbacks.append(EventLog(args.events))
     trainer = ElasticTrainer(
         program.factory, config, args.steps,
-        faults=faults, on_step=on_step, on_event=on_event, callbacks=callbacks, checkpoint=checkpoint,
+        faults=faults, on_event=on_event, callbacks=[*callbacks, StepLines()], checkpoint=checkpoint,
     )
     try:
         report = trainer.fit()

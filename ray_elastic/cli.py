@@ -104,7 +104,7 @@ def _demo(args: argparse.Namespace) -> int:
         checkpoint.check_storage()  # there and writable, before the cluster
     for option, path in (("--report", args.report), ("--events", args.events)):
         _check_output_file(option, path)
-    print(f"training the example LM: {program.describe()}", flush=True)
+    print(f"training {program.describe()}", flush=True)
 
     num_nodes = (args.slices + args.spare_slices) * args.hosts_per_slice
     print(f"starting a local Ray cluster: head + {num_nodes} nodes", flush=True)
@@ -153,7 +153,8 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console, node_s
     from ray_elastic import ElasticTrainer, RunFailed
     from ray_elastic.observe.events import EventLog
     from ray_elastic.observe.metrics import MetricsCallback
-    from ray_elastic.observe.progress import ProgressCallback
+    from ray_elastic.callbacks import Callback
+    from ray_elastic.observe.progress import ProgressCallback, step_line
 
     out = console.out
     cluster.connect()
@@ -185,13 +186,14 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console, node_s
             progress.message(text) if progress is not None else print(text, file=out)
             cluster_work.put("add_node")
 
-    def on_step(step: int, loss: float, slices: int) -> None:
-        if not live and (step % args.log_every == 0 or step == args.steps):
-            print(f"step {step:5d}/{args.steps}  loss {loss:.4f}  slices {slices}", file=out)
+    class StepLines(Callback):
+        def on_step(self, step: int, metrics: dict) -> None:
+            if not live and (step % args.log_every == 0 or step == args.steps):
+                print(step_line(step, args.steps, metrics), file=out)
 
     trainer = ElasticTrainer(
         factory, config, args.steps, faults=faults, remove_node=cluster.remove_node,
-        on_step=on_step, on_event=on_event, callbacks=callbacks, checkpoint=checkpoint,
+        on_event=on_event, callbacks=[*callbacks, StepLines()], checkpoint=checkpoint,
     )
     # The controller runs on a thread of its own; this (main) thread does
     # the cluster's work the controller asks for, so that no controller

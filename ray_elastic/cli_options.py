@@ -41,6 +41,7 @@ __all__ = [
 DEBUG_ENV = "RAY_ELASTIC_DEBUG"
 
 MODELS = ("small", "medium", "large")
+EXAMPLES = ("lm", "lm-tokens", "cnn")
 SHARDINGS = ("replicated", "fsdp", "fsdp_tp")
 
 
@@ -69,6 +70,11 @@ def add_shared_options(parser: argparse.ArgumentParser, steps: int, timeout_s: f
     opt("--devices-per-host", type=int, default=1,
         help="slice.devices_per_host: XLA CPU devices in each host's process, CPU slices only (a GPU or TPU "
         "host's devices are its accelerators) (default: %(default)s)")
+    opt("--example", choices=EXAMPLES, default="lm",
+        help="the program to train: lm, the example LM with a plain mean loss; lm-tokens, the same LM written "
+        "like a MaxText or lm1b train step (padded documents weighted by their real tokens, dropout, z-loss, "
+        "accuracy, an eval every 10 steps); cnn, a small CNN with batch norm statistics as model state "
+        "(default: %(default)s)")
     opt("--model", choices=MODELS, default="small",
         help="the example LM's size: small 0.1M, medium 3.2M, large 25M parameters (default: %(default)s)")
     opt("--sharding", choices=SHARDINGS, default="replicated",
@@ -158,8 +164,8 @@ def elastic_config(args: argparse.Namespace, spec, **more):
 
 @dataclasses.dataclass(frozen=True)
 class ExampleProgram:
-    """The example LM as the options chose it, its layout resolved on a
-    slice's devices."""
+    """The example program as the options chose it, its layout resolved on
+    a slice's devices."""
 
     model: str
     sharding: str
@@ -167,26 +173,46 @@ class ExampleProgram:
     plan: Any  # ray_elastic.layout.LayoutPlan, on `devices` devices
     devices: int  # in one slice
     factory: Callable[[], Any]  # the picklable program factory
+    example: str = "lm"
 
     def describe(self) -> str:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.plan.axis_names, self.plan.axis_sizes))
-        return (f"model {self.model}, layout {self.sharding} (mesh {mesh} over {self.devices} "
+        what = {"lm": f"the example LM, model {self.model}",
+                "lm-tokens": f"the token-weighted example LM, model {self.model}",
+                "cnn": "the example CNN with batch norm"}[self.example]
+        return (f"{what}, layout {self.sharding} (mesh {mesh} over {self.devices} "
                 f"device{'s' if self.devices != 1 else ''} per slice)")
 
 
 def example_program(lm, args: argparse.Namespace, spec) -> ExampleProgram:
-    """The example program of `--model` and `--sharding` on slices of
-    `spec`, its mesh checked against the slice's devices (a ConfigError
-    naming layout.mesh when it does not divide them). `lm`: the example
-    module as the workers will import it (the installed
+    """The example program of `--example`, `--model` and `--sharding` on
+    slices of `spec`, its mesh checked against the slice's devices (a
+    ConfigError naming layout.mesh when it does not divide them). `lm`:
+    the example LM module as the workers will import it (the installed
     `ray_elastic.examples.lm` for the demo; the job's own `examples.lm`,
-    shipped with it, for the job driver)."""
+    shipped with it, for the job driver); the other examples are its
+    siblings."""
     import functools
+    import importlib
 
+    example = getattr(args, "example", "lm")
+    package = lm.__name__.rpartition(".")[0]
     layout = lm.Layout() if args.sharding == "replicated" else lm.sharded_layout(args.sharding)
+    if example == "cnn":
+        if args.sharding != "replicated":
+            raise ConfigError("--sharding", "the example CNN's state is replicated; --sharding applies to the "
+                              "LM examples")
+        if args.model != "small":
+            raise ConfigError("--model", "sets the LM examples' size; the example CNN has one")
+        cnn = importlib.import_module(f"{package}.cnn")
+        factory = functools.partial(cnn.make_program, cnn.CNNConfig(), layout)
+    elif example == "lm-tokens":
+        tokens = importlib.import_module(f"{package}.lm_tokens")
+        factory = functools.partial(tokens.make_program, tokens.TokenLMConfig(lm=lm.PRESETS[args.model]), layout)
+    else:
+        factory = functools.partial(lm.make_program, lm.PRESETS[args.model], layout)
     plan = layout.plan(spec.devices)
-    factory = functools.partial(lm.make_program, lm.PRESETS[args.model], layout)
-    return ExampleProgram(args.model, args.sharding, layout, plan, spec.devices, factory)
+    return ExampleProgram(args.model, args.sharding, layout, plan, spec.devices, factory, example)
 
 
 def check_devices_option(args: argparse.Namespace, spec) -> None:

@@ -84,10 +84,10 @@ def test_the_example_program_is_checked_against_the_slice():
 
     program = example_program(lm, _args(sharding="fsdp"), CpuSlice(hosts=2, devices_per_host=2))
     assert program.plan.axis_names == ("data", "fsdp", "tensor") and program.plan.axis_sizes == (1, 4, 1)
-    assert program.describe() == "model small, layout fsdp (mesh data=1 x fsdp=4 x tensor=1 over 4 devices per slice)"
+    assert program.describe() == "the example LM, model small, layout fsdp (mesh data=1 x fsdp=4 x tensor=1 over 4 devices per slice)"
     assert program.factory().layout.sharded
     medium = example_program(lm, _args(model="medium"), CpuSlice())
-    assert medium.describe() == "model medium, layout replicated (mesh data=1 over 1 device per slice)"
+    assert medium.describe() == "the example LM, model medium, layout replicated (mesh data=1 over 1 device per slice)"
     assert medium.factory.args[0] == lm.PRESETS["medium"] and not medium.layout.sharded
     with pytest.raises(ConfigError, match="layout.mesh"):
         example_program(lm, _args(sharding="fsdp_tp"), CpuSlice(devices_per_host=3))
@@ -128,3 +128,21 @@ def test_the_job_driver_reports_a_bad_setting_as_one_line(capsys, monkeypatch):
         assert train_lm.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert "Traceback" not in err and err.startswith(f"train_lm.py: error: {message}"), err
+
+
+def test_the_example_option_picks_the_program():
+    """--example lm-tokens and cnn build the step-contract examples; the
+    CNN refuses the LM-only options before anything starts."""
+    import examples.lm as lm
+
+    tokens = example_program(lm, _args(example="lm-tokens", sharding="fsdp"), CpuSlice(hosts=2))
+    program = tokens.factory()
+    assert program.takes_context and program.eval_every > 0 and program.layout.sharded
+    assert set(program.aux) == {"accuracy", "z_loss", "tokens"}
+    assert tokens.describe().startswith("the token-weighted example LM, model small")
+    cnn = example_program(lm, _args(example="cnn"), CpuSlice())
+    assert cnn.factory().has_model_state and cnn.describe().startswith("the example CNN")
+    with pytest.raises(ConfigError, match="--sharding"):
+        example_program(lm, _args(example="cnn", sharding="fsdp"), CpuSlice(devices_per_host=2))
+    with pytest.raises(ConfigError, match="--model"):
+        example_program(lm, _args(example="cnn", model="large"), CpuSlice())

@@ -368,11 +368,11 @@ def test_sharded_job_trains_in_its_layout(ray_cluster):
     status = _wait_for(ray_cluster, job_id, timeout=200)
     logs = _logs(ray_cluster, job_id)
     assert status == "SUCCEEDED", logs[-5000:]
-    layout = "training the example LM: model small, layout fsdp (mesh data=1 x fsdp=2 x tensor=1 over 2 devices per slice)"
+    layout = "training the example LM, model small, layout fsdp (mesh data=1 x fsdp=2 x tensor=1 over 2 devices per slice)"
     assert re.search(rf"^{re.escape(layout)}$", logs, re.M), logs[-5000:]
     assert re.search(r"^\[\s*[\d.]+ s\] slice_ready ", logs, re.M), logs[-5000:]
     assert not re.search(r"^\[\s*[\d.]+ s\] detected ", logs, re.M), logs[-5000:]
-    assert re.search(rf"^step 10/{steps} loss [\d.]+ slices 2$", logs, re.M), logs[-5000:]
+    assert re.search(rf"^step +10/{steps}  loss [\d.]+  slices 2$", logs, re.M), logs[-5000:]
     assert re.search(rf"^done: {steps} steps, final loss [\d.]+, driver pid \d+$", logs, re.M), logs[-5000:]
 
 

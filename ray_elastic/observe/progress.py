@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, TextIO
 
 from ray_elastic.callbacks import Callback, Phase, RunStatus
 
-__all__ = ["ProgressCallback"]
+__all__ = ["ProgressCallback", "step_line"]
 
 _CLEAR = "\r\x1b[K"
 
@@ -41,6 +41,14 @@ def _fmt_s(s: float) -> str:
 
 # How many of the program's own metrics the live line shows.
 SHOWN_METRICS = 3
+
+
+def step_line(step: int, total: int, metrics: dict) -> str:
+    """A completed step as one log line: loss, the program's metrics (and
+    evals) by name, live slices."""
+    named = "".join(f"  {k} {_num(v, '.4g')}" for k, v in metrics.items()
+                    if k not in ("loss", "slices", "step_s") and isinstance(v, (int, float)))
+    return f"step {step:5d}/{total}  loss {_num(metrics['loss'], '.4f')}{named}  slices {metrics['slices']}"
 
 
 class ProgressCallback(Callback):
