@@ -467,10 +467,12 @@ def sharded_layout(sharding: str, tensor_parallelism: int = 2) -> Layout:
                                params=param_logical_axes, rules=SHARDINGS[sharding])
 
 
-def make_program(config: LMConfig = LMConfig(), layout: Layout = Layout()) -> TrainProgram:
+def make_program(config: LMConfig = LMConfig(), layout: Layout = Layout(), pretrained: Any = None) -> TrainProgram:
     """The example LM as a TrainProgram (what `ray-elastic demo` trains);
-    `layout`: how its state is laid out in a slice (default replicated)."""
+    `layout`: how its state is laid out in a slice (default replicated);
+    `pretrained`: weights to start from (TrainProgram.pretrained)."""
     return TrainProgram(
+        pretrained=pretrained,
         init_params=functools.partial(_init_params, config),
         loss_fn=functools.partial(_loss_fn, config),
         optimizer=make_optimizer(config),

@@ -129,6 +129,13 @@ class TrainProgram:
         `shard` of the fixed held-out set. The set has as many shards as
         the training batch; each is evaluated by the slice that computes
         that training shard, so the result does not depend on the slices.
+    pretrained: the step-0 params instead of `init_params`'s: a params
+        tree (host arrays), or a path (local or gs://) to a ray_elastic
+        checkpoint folder (its newest intact step's params) or to a plain
+        Orbax checkpoint of a params tree. Loaded onto the slice's layout
+        as arguments, never compiled in; `init_params` then only gives the
+        shapes the weights are checked against. A resumed run restores its
+        own checkpoint instead.
     eval_every: evaluate the state of every step that is a multiple of it
         (0: never; nothing is compiled or run). The figures of the state
         after step k come with step k + 1's metrics, as "eval/loss" and
@@ -144,6 +151,7 @@ class TrainProgram:
     init_model_state: Optional[Callable[[Any], PyTree]] = None
     model_state_reduction: Optional[str] = None
     post_update: Optional[Callable[..., TrainState]] = None
+    pretrained: Any = None
     eval_fn: Optional[Callable[..., Any]] = None
     make_eval_batch: Optional[Callable[[int, int, int], Batch]] = None
     eval_every: int = 0
@@ -177,6 +185,8 @@ class TrainProgram:
         if self.model_state_reduction is not None and self.model_state_reduction not in REDUCTIONS:
             raise ConfigError("program.model_state_reduction", f"got {self.model_state_reduction!r}; "
                               f"choose one of {REDUCTIONS}")
+        if isinstance(self.pretrained, str) and not self.pretrained.strip():
+            raise ConfigError("program.pretrained", "is an empty path; give a checkpoint folder or a params tree")
         if self.post_update is not None and not callable(self.post_update):
             raise ConfigError("program.post_update", f"must be callable, got {self.post_update!r}")
 

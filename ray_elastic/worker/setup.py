@@ -28,6 +28,7 @@ import numpy as np
 from ray_elastic.dispatch.assignment import rows_fed
 from ray_elastic.errors import ConfigError
 from ray_elastic.program import TrainProgram
+from ray_elastic.worker.pretrained import load_pretrained
 from ray_elastic.worker.step_math import check_outputs, eval_function, grad_function, join_slot, split_slot, update_function
 
 __all__ = ["CompiledStep", "InitialState", "StateLayout", "compile_step", "free_port", "lay_out", "start_jax"]
@@ -70,12 +71,17 @@ class InitialState:
     the state is first needed: a replacement loads the live state at once,
     so making it there would be wasted."""
 
-    def __init__(self, init_params, init_opt, rng) -> None:
+    def __init__(self, init_params, init_opt, rng, pretrained: Any = None, param_specs: Any = None) -> None:
         self._init_params, self._init_opt, self._rng = init_params, init_opt, rng
+        self._pretrained, self._param_specs = pretrained, param_specs
 
     def make(self) -> tuple:
-        """(params, opt_state) of step 0, laid out on the slice's mesh."""
-        params = self._init_params.compile()(self._rng)
+        """(params, opt_state) of step 0, laid out on the slice's mesh: the
+        program's init, or its pretrained weights (pretrained.py)."""
+        if self._pretrained is not None:
+            params = load_pretrained(self._pretrained, self._param_specs)
+        else:
+            params = self._init_params.compile()(self._rng)
         return params, self._init_opt.compile()(params, self._rng)
 
 
@@ -149,7 +155,7 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
         sharded=sharded, param_specs=p_specs, param_def=p_def, opt_specs=o_specs, opt_def=o_def,
         param_shardings=p_out, opt_shardings=o_out,
         template={"params": jax.tree.map(plain, p_shape), "opt_state": jax.tree.map(plain, o_shape)},
-        initial=InitialState(init_params, init_opt, rng),
+        initial=InitialState(init_params, init_opt, rng, program.pretrained, params),
     )
 
 

@@ -65,6 +65,9 @@ def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) 
 
         def loss(p):
             out = _as_output(program.loss_fn(p, batch, ctx) if program.takes_context else program.loss_fn(p, batch))
+            if jax.numpy.shape(out.total) != ():  # before value_and_grad says it its own way
+                raise ConfigError("program.loss_fn", f"the loss has shape {jax.numpy.shape(out.total)}; return "
+                                  "one number per shard (the mean loss, or LossOutput.total: the summed loss)")
             new_state = out.model_state if program.has_model_state else None
             if program.has_model_state and new_state is None:
                 new_state = model_state
