@@ -467,12 +467,15 @@ def sharded_layout(sharding: str, tensor_parallelism: int = 2) -> Layout:
                                params=param_logical_axes, rules=SHARDINGS[sharding])
 
 
-def make_program(config: LMConfig = LMConfig(), layout: Layout = Layout(), pretrained: Any = None) -> TrainProgram:
+def make_program(config: LMConfig = LMConfig(), layout: Layout = Layout(), pretrained: Any = None,
+                 microbatches: int = 1) -> TrainProgram:
     """The example LM as a TrainProgram (what `ray-elastic demo` trains);
     `layout`: how its state is laid out in a slice (default replicated);
-    `pretrained`: weights to start from (TrainProgram.pretrained)."""
+    `pretrained`: weights to start from (TrainProgram.pretrained);
+    `microbatches`: pieces each shard's batch is scanned in on the device."""
     return TrainProgram(
         pretrained=pretrained,
+        microbatches=microbatches,
         init_params=functools.partial(_init_params, config),
         loss_fn=functools.partial(_loss_fn, config),
         optimizer=make_optimizer(config),

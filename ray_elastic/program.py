@@ -129,6 +129,12 @@ class TrainProgram:
         `shard` of the fixed held-out set. The set has as many shards as
         the training batch; each is evaluated by the slice that computes
         that training shard, so the result does not depend on the slices.
+    microbatches: scan each shard's batch in this many pieces on the
+        device and ship one summed gradient per shard (gradient
+        accumulation): the same sums as that many times more shards, with
+        one gradient's memory and transfer. Microbatch j's key is
+        `fold_in(ctx.rng, j)`; aux metrics and the model state combine over
+        microbatches by their declared reductions.
     pretrained: the step-0 params instead of `init_params`'s: a params
         tree (host arrays), or a path (local or gs://) to a ray_elastic
         checkpoint folder (its newest intact step's params) or to a plain
@@ -152,6 +158,7 @@ class TrainProgram:
     model_state_reduction: Optional[str] = None
     post_update: Optional[Callable[..., TrainState]] = None
     pretrained: Any = None
+    microbatches: int = 1
     eval_fn: Optional[Callable[..., Any]] = None
     make_eval_batch: Optional[Callable[[int, int, int], Batch]] = None
     eval_every: int = 0
@@ -185,6 +192,8 @@ class TrainProgram:
         if self.model_state_reduction is not None and self.model_state_reduction not in REDUCTIONS:
             raise ConfigError("program.model_state_reduction", f"got {self.model_state_reduction!r}; "
                               f"choose one of {REDUCTIONS}")
+        if isinstance(self.microbatches, bool) or not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise ConfigError("program.microbatches", f"must be an integer >= 1, got {self.microbatches!r}")
         if isinstance(self.pretrained, str) and not self.pretrained.strip():
             raise ConfigError("program.pretrained", "is an empty path; give a checkpoint folder or a params tree")
         if self.post_update is not None and not callable(self.post_update):

@@ -199,7 +199,12 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     params, opt_state = layout.params_spec(), layout.opt_spec()
     p_out, o_out = layout.param_shardings, layout.opt_shardings
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)  # noqa: E731
-    grad_fn = grad_function(program, layout.mesh, seed, num_shards)
+    rows = next(iter(global_shape.values())).shape[0]
+    if rows % (layout.batch_ways * program.microbatches):
+        raise ConfigError("program.microbatches", f"a shard's {rows} rows do not split into {program.microbatches} "
+                          f"microbatches over the {layout.batch_ways} devices of the batch axes; make the rows a "
+                          f"multiple of {layout.batch_ways * program.microbatches}")
+    grad_fn = grad_function(program, layout.mesh, seed, num_shards, layout.batch_ways)
     rep = layout.replicated  # every scalar and the model state: whole on every device
     lowered = jax.jit(grad_fn, out_shardings=(rep, rep, rep, rep, p_out)).lower(
         params, opt_state, global_shape, scalar(np.int32), scalar(np.int32))

@@ -14,6 +14,7 @@ worker's actor class.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 from ray_elastic.errors import ConfigError
@@ -53,9 +54,13 @@ def _as_output(value: Any, fn: str = "program.loss_fn") -> LossOutput:
     return LossOutput(total=value)
 
 
-def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) -> Callable:
+def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int, batch_ways: int = 1) -> Callable:
     """(params, opt_state slot, batch, step, shard) -> (total, weight, aux,
-    new model state or None, gradient of total)."""
+    new model state or None, gradient of total). With microbatches, the
+    shard's batch is scanned in `program.microbatches` pieces on the device
+    (microbatch j's key: `fold_in(ctx.rng, j)`) and one summed gradient
+    comes out; totals and weights add up, aux metrics and the model state
+    combine by their declared reductions."""
     import jax
 
     def grad_fn(params, slot, batch, step, shard):
@@ -63,8 +68,8 @@ def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) 
         ctx = StepContext(step=step, shard=shard, num_shards=num_shards, rng=step_key(seed, step, shard),
                           mesh=mesh, model_state=model_state)
 
-        def loss(p):
-            out = _as_output(program.loss_fn(p, batch, ctx) if program.takes_context else program.loss_fn(p, batch))
+        def loss(p, b, c):
+            out = _as_output(program.loss_fn(p, b, c) if program.takes_context else program.loss_fn(p, b))
             if jax.numpy.shape(out.total) != ():  # before value_and_grad says it its own way
                 raise ConfigError("program.loss_fn", f"the loss has shape {jax.numpy.shape(out.total)}; return "
                                   "one number per shard (the mean loss, or LossOutput.total: the summed loss)")
@@ -73,10 +78,55 @@ def grad_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) 
                 new_state = model_state
             return out.total, (out.weight, dict(out.aux), new_state)
 
-        (total, (weight, aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        return total, jax.numpy.asarray(weight, jax.numpy.float32), aux, new_state, grads
+        k = program.microbatches
+        if k == 1:
+            (total, (weight, aux, new_state)), grads = jax.value_and_grad(loss, has_aux=True)(params, batch, ctx)
+            return total, jax.numpy.asarray(weight, jax.numpy.float32), aux, new_state, grads
+
+        def one(acc, piece):  # one microbatch: its gradient added into the running sum
+            j, mb = piece
+            c = dataclasses.replace(ctx, rng=jax.random.fold_in(ctx.rng, j))
+            (t, (w, a, st)), g = jax.value_and_grad(loss, has_aux=True)(params, mb, c)
+            return jax.tree.map(jax.numpy.add, acc, g), (t, jax.numpy.asarray(w, jax.numpy.float32), a, st)
+
+        pieces = microbatched(batch, k, batch_ways)
+        zeros = jax.tree.map(jax.numpy.zeros_like, params)
+        grads, (totals, weights, auxes, states) = jax.lax.scan(one, zeros, (jax.numpy.arange(k), pieces))
+        weight = jax.numpy.sum(weights)
+        aux = {name: _combine(program.aux[name], v, weights) for name, v in auxes.items()}
+        if states is not None:
+            states = jax.tree.map(lambda v: _combine(program.model_state_reduction, v, weights), states)
+        return jax.numpy.sum(totals), weight, aux, states, grads
 
     return grad_fn
+
+
+def microbatched(batch: Any, k: int, batch_ways: int) -> Any:
+    """A shard's batch as k microbatches ([k, rows / k, ...] per key).
+    Microbatch j takes the j-th run of rows of every device's block, so
+    each holds rows of every device and no row moves between devices."""
+    import jax
+
+    def split(a):
+        d, m = batch_ways, a.shape[0] // (batch_ways * k)
+        return a.reshape((d, k, m) + a.shape[1:]).swapaxes(0, 1).reshape((k, d * m) + a.shape[1:])
+
+    return jax.tree.map(split, batch)
+
+
+def _combine(reduction: str, values: Any, weights: Any) -> Any:
+    """A shard's value from its microbatches' (stacked on axis 0), by the
+    reduction the program declares for the global batch."""
+    import jax.numpy as jnp
+
+    if reduction == "sum":
+        return jnp.sum(values, axis=0)
+    if reduction == "max":
+        return jnp.max(values, axis=0)
+    if reduction == "mean":
+        return jnp.mean(values, axis=0)
+    w = weights.reshape((-1,) + (1,) * (values.ndim - 1))
+    return jnp.sum(values * w, axis=0) / jnp.maximum(jnp.sum(weights), jnp.finfo(jnp.float32).tiny)
 
 
 def eval_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int) -> Callable:
