@@ -329,3 +329,85 @@ def _leaves_without_zero_gradient() -> set:
     abstract = jax.eval_shape(functools.partial(lm.init_params, lm.LMConfig()), jax.random.PRNGKey(0))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(abstract)[0]]
     return {i for i, n in enumerate(paths) if "['key']['bias']" not in n}
+
+
+# -- a non-finite loss ---------------------------------------------------------------
+
+
+DIVERGING = dict(learning_rate=1e4, grad_clip_norm=0.0)  # the loss of step 2 is NaN (step 1's is ~2e9)
+
+
+def test_a_non_finite_loss_ends_the_run_keeping_the_state_before_it(cluster, tmp_path):
+    """Without a post_update, the run ends with NonFiniteLoss naming the
+    step, before that step is applied: the state of the step before is
+    saved as a checkpoint and handed back, finite."""
+    import jax
+
+    import examples.lm as lm
+    from ray_elastic import CheckpointConfig, NonFiniteLoss
+
+    cluster.ensure_nodes(2)
+    path = str(tmp_path / "ckpt")
+    factory = functools.partial(lm.make_program, lm.LMConfig(**DIVERGING))
+    trainer = ElasticTrainer(factory, _config(hosts=1, policy="pause"), 6, keep_final_state=True,
+                             checkpoint=CheckpointConfig(path, save_every=0, save_at_end=False))
+    with pytest.raises(NonFiniteLoss) as e:
+        trainer.fit()
+    assert e.value.step == 2 and e.value.setting == "program.post_update"
+    assert "skip_nonfinite" in str(e.value)
+    assert trainer.report.outcome == "failed" and trainer.report.steps_completed == 2
+    assert trainer.final_state["step"] == 2
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(trainer.final_state["params"]))
+    from ray_elastic.checkpoint.store import CheckpointStore
+
+    assert CheckpointStore(path).latest_committed() == 2
+
+
+def test_skip_nonfinite_keeps_training_past_non_finite_steps(cluster):
+    """With post_update=skip_nonfinite (the token LM's), the same diverging
+    steps are skipped: the run completes, its params stay finite."""
+    import jax
+
+    import examples.lm as lm
+    import examples.lm_tokens as lt
+
+    cluster.ensure_nodes(2)
+    config = lt.TokenLMConfig(lm=lm.LMConfig(**DIVERGING), dropout_rate=0.0, eval_every=0)
+    trainer = ElasticTrainer(functools.partial(lt.make_program, config), _config(hosts=1, policy="pause"), 6,
+                             keep_final_state=True)
+    report = trainer.fit()
+    assert report.steps_completed == 6
+    # Step 1's loss is ~1.6e15 and the gradient of the shards' summed losses is not finite:
+    # that update is skipped, and so is every later one alike.
+    assert report.losses[1] > 1e12 and report.losses[-1] > 1e12, report.losses
+    assert all(np.isfinite(np.asarray(a)).all() for a in jax.tree.leaves(trainer.final_state["params"]))
+
+
+# -- model state through checkpoints ---------------------------------------------------
+
+
+@pytest.mark.parametrize("slices", [2, 1])
+def test_cnn_resumes_from_a_checkpoint_with_its_batch_stats(cluster, cnn_factory, cnn_run, tmp_path, slices):
+    """A checkpoint holds the model state with the params: a cold start
+    from the step-6 checkpoint of a first run (on 2 slices, or on 1:
+    a restore onto another slice count) ends bitwise equal to the
+    uninterrupted run, batch statistics included."""
+    import jax
+
+    from ray_elastic import CheckpointConfig
+
+    cluster.ensure_nodes(2)
+    base_trainer, base = cnn_run
+    path = str(tmp_path / "ckpt")
+    first = ElasticTrainer(cnn_factory, _config(hosts=1, policy="pause"), 6,
+                           checkpoint=CheckpointConfig(path, save_every=0))
+    assert first.fit().steps_completed == 6
+    resumed = ElasticTrainer(cnn_factory, _config(hosts=1, policy="pause", num_slices=slices), CNN_STEPS,
+                             keep_final_state=True, checkpoint=CheckpointConfig(path, save_every=0, save_at_end=False))
+    report = resumed.fit()
+    assert report.resumed_from == 6
+    assert report.losses[6:] == base.losses[6:]
+    a, b = resumed.final_state, base_trainer.final_state
+    assert jax.tree.structure(a["opt_state"]) == jax.tree.structure(b["opt_state"])
+    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

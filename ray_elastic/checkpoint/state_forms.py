@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["FlatState", "HostBlocks", "WholeState"]
+__all__ = ["FlatState", "HostBlocks", "WholeState", "final_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,3 +48,9 @@ class WholeState:
 
     def as_dict(self) -> dict:
         return {"step": self.step, **self.trees()}
+
+
+def final_state(copy) -> dict | tuple:
+    """The user's `final_state`: {"step", "params", "opt_state"} of host
+    arrays (replicated), or one {"step", "blocks", "host"} per host (sharded)."""
+    return tuple(part.as_dict() for part in copy) if isinstance(copy, tuple) else copy.as_dict()

@@ -17,7 +17,6 @@ slices, the snapshots and the step count.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -30,7 +29,7 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
-from ray_elastic.errors import ConfigError, RunFailed, SliceFailure, SlicePreempted
+from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -42,31 +41,12 @@ from ray_elastic.observe.recording import ReportRecorder
 from ray_elastic.observe.report import RunReport
 from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting, status
 from ray_elastic.checkpoint.snapshots import SnapshotStore
+from ray_elastic.checkpoint.state_forms import final_state
+from ray_elastic.control.seams import Seams
 
-__all__ = ["Controller", "Seams"]
+__all__ = ["Controller", "Seams"]  # Seams: control/seams.py
 
 log = logging.getLogger("ray_elastic")
-
-
-@dataclasses.dataclass(frozen=True)
-class Seams:
-    """What tests and benchmarks put in place of the real thing.
-
-    clock: the controller's time (a fake one steps through timeouts).
-    backend: the whole cluster side (a SliceBackend); tests pass a fake.
-    provisioner: the class that provisions slices on Ray (default
-        RaySlices); the scale benchmark passes simulated slices.
-    """
-
-    clock: Callable[[], float] = time.monotonic
-    backend: Optional[SliceBackend] = None
-    provisioner: Optional[type] = None
-
-
-def final_state(copy) -> dict | tuple:
-    """The user's `final_state`: {"step", "params", "opt_state"} of host
-    arrays (replicated), or one {"step", "blocks", "host"} per host (sharded)."""
-    return tuple(part.as_dict() for part in copy) if isinstance(copy, tuple) else copy.as_dict()
 
 
 class Controller:
@@ -182,6 +162,8 @@ class Controller:
                 self.final_state = final_state(backend.fetch(backend.state(min(self.members.live))))
         except BaseException as e:  # RunFailed, a ConfigError found at set-up, a bug, Ctrl-C: all end the run
             outcome, error = "failed", str(e) or type(e).__name__
+            if isinstance(e, NonFiniteLoss):
+                self._keep_state_before(e)
             raise
         finally:
             self._preemption.uninstall()
@@ -196,6 +178,20 @@ class Controller:
             for cb in self._callbacks:
                 cb.on_end(self.report)
         return self.report
+
+    def _keep_state_before(self, e: NonFiniteLoss) -> None:
+        """A non-finite loss is found before its step is applied, so every
+        live slice still holds the state of the step before: save it as a
+        checkpoint (when checkpoints are on) and hand it to the user (when
+        asked for), so nothing trained is lost with the run."""
+        try:
+            saved = self._saves.now(self.step, timeout_s=120.0)
+            self._event("kept_before_error", step=self.step, checkpoint=bool(saved))
+            if self._keep_final_state and self.members.live:
+                self.final_state = final_state(self.members.backend.fetch(self.members.backend.state(
+                    min(self.members.live))))
+        except Exception:  # the run's own error is what the user must see
+            log.warning("could not keep the state of step %d after %s", self.step, e, exc_info=True)
 
     def add_callback(self, callback: Callback) -> None:
         """Add a callback before `fit` (one that needs the trainer itself)."""

@@ -10,8 +10,10 @@ clock of the controller's events) and "event" (its name):
   start time (`time_unix`);
 - every timeline event of the controller, as it gave it (reserve, start,
   fault, detected, replace, shrink, wait, grow, rewind, recovered, end, and
-  any later ones such as checkpoint events);
-- `{"event": "step", "step", "loss", "slices", "step_s"}` after completed
+  any later ones such as checkpoint events, and `kept_before_error` when a
+  non-finite loss ends the run and the state before it is kept);
+- `{"event": "step", "step", "loss", ..., "slices", "step_s"}` (with the
+  program's aux metrics and evals by name) after completed
   steps (every `every`-th step, and always the first step after any other
   event and the last one), so step against time can be plotted;
 - `{"event": "summary", ...}` last: steps completed, final loss, wall and
