@@ -46,7 +46,7 @@ class _FakeMetric:
 @pytest.fixture
 def fake_metrics(monkeypatch):
     keys = ["state", "state_code", "step", "steps_requested", "loss", "step_seconds", "live_slices",
-            "goodput", "last_recovery", "failures", "rewound", "events", "recovery"]
+            "goodput", "last_recovery", "failures", "rewound", "events", "recovery", "train_metric"]
     fakes = {k: _FakeMetric() for k in keys}
     monkeypatch.setattr(rm, "_METRICS", fakes)
     return fakes
@@ -103,6 +103,19 @@ def test_callback_tracks_a_run_with_a_failure(fake_metrics):
     cb.on_state(RunStatus(Phase.DONE, 20.0, 10, 2))
     cb.on_end(report)
     assert _state(f) == "done" and _g(f, "step") == 10 and _g(f, "goodput") == 0.25
+    cb.close()
+
+
+def test_the_programs_metrics_are_gauges_by_name(fake_metrics):
+    """Aux metrics and evals (whatever the program names them) go to one
+    gauge, tagged by name; a metric keeps its last value on steps without it."""
+    cb = MetricsCallback("r", refresh_s=60)
+    f = fake_metrics
+    cb.on_start(SimpleNamespace(steps=10))
+    cb.on_step(1, {"loss": 2.0, "accuracy": 0.25, "eval/loss": 3.0, "slices": 2, "step_s": 0.5})
+    cb.on_step(2, {"loss": 1.5, "accuracy": 0.5, "slices": 2, "step_s": 0.5})
+    assert _g(f, "train_metric", name="accuracy") == 0.5 and _g(f, "train_metric", name="eval/loss") == 3.0
+    assert _g(f, "train_metric", name="slices") is None and _g(f, "loss") == 1.5
     cb.close()
 
 
