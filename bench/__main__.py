@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|sharded] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|sharded|contract] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -22,7 +22,12 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - sharded: a >= 200 MB state sharded (FSDP) on 2 slices x 2 hosts: worker
   peak memory against the replicated layout, the driver's memory as the
   state grows 4x, step time against one plain jax.distributed job, and the
-  cross-slice bytes per host against the ring all-reduce bound.
+  cross-slice bytes per host against the ring all-reduce bound;
+- contract: the step contract's cost on the example LM (2 slices): today's
+  loss_fn(params, batch) against loss_fn(params, batch, ctx) -> LossOutput,
+  alternated run by run (target: new <= +2%), and 64 rows per step as 8
+  shards against 2 shards of 4 microbatches (gradient bytes per apply,
+  worker memory, step time).
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ def _csv(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "sharded"))
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "sharded",
+                                                                     "contract"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
-                             "sharded: alternated ray_elastic/plain rounds (quick 1, full 2)")
+                             "sharded: alternated ray_elastic/plain rounds (quick 1, full 2); "
+                             "contract: alternated today/new-contract pairs (quick 2, full 5)")
     parser.add_argument("--variants", type=_csv, default=None,
                         help="ready: comma-separated subset of variants (default all)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
@@ -54,7 +61,7 @@ def main(argv=None) -> int:
     parser.add_argument("--slices-per-leader", type=int, default=32,
                         help="scale --step-s: slices per group leader in the third run of each size (0: no such run)")
     parser.add_argument("--steps", type=int, default=None, help="compare: steps per run; scale: steps per size; soak: steps per run (skips the warm-up); "
-                             "sharded: steps per run (quick 6, full 20)")
+                             "sharded: steps per run (quick 6, full 20); contract: steps per run (quick 40, full 120)")
     parser.add_argument("--fail-at", type=int, default=None, help="compare: step of the fault")
     parser.add_argument("--chaos-s", type=float, default=None, help="compare: chaos run length (quick 120, full 300)")
     parser.add_argument("--overhead-pairs", type=int, default=None,
@@ -138,6 +145,21 @@ def main(argv=None) -> int:
         files = sharded.write(result, args.out)
         print()
         print(sharded.table(result))
+        print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
+        return 0
+
+    if args.suite == "contract":
+        from bench import contract
+
+        cluster = start_cluster(contract.SLICES)
+        try:
+            result = contract.run(cluster, quick=args.quick, runs=args.runs, steps=args.steps,
+                                  partial_path=os.path.join(args.out, "contract.partial.json"))
+        finally:
+            cluster.shutdown()
+        files = contract.write(result, args.out)
+        print()
+        print(contract.table(result))
         print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
         return 0
 

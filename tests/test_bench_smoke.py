@@ -177,3 +177,38 @@ def test_ready_tiny(cluster, nodes, lm_factory):
     floor = result["ray_floor"]
     assert 0 < floor["empty"] < floor["imports"]
     assert "Ray's floor here" in ready.table(result)
+
+
+@pytest.mark.slow
+def test_contract_tiny(cluster, tmp_path):
+    """`python -m bench contract`: one today/new-contract pair and one
+    round of each microbatch variant; every figure is there and positive,
+    the two contracts train the same thing, and a host takes in 8
+    gradients per apply with 8 shards and 2 with 2 shards of microbatches."""
+    from bench import contract
+
+    result = contract.run(cluster, runs=1, steps=12, log=lambda *a: None)
+    files = contract.write(result, str(tmp_path))
+    with open(files["json"]) as f:
+        data = json.load(f)
+    for key in ("settings", "contract", "micro", "micro_losses", "runs", "wall_s", "retries"):
+        assert key in data, key
+    c = data["contract"]
+    (pair,) = c["pairs"]
+    assert pair["today_s"] > 0 and pair["context_s"] > 0 and pair["ratio"] > 0
+    assert c["today_s"]["median"] > 0 and c["context_s"]["median"] > 0 and c["median_ratio"] > 0
+    assert isinstance(c["met"], bool)
+    assert c["loss_max_rel_diff"] < 1e-4  # the same model, data and optimizer
+    assert 0 <= c["final_accuracy"] <= 1
+    assert set(data["micro"]) == set(contract.MICRO)
+    for name, m in data["micro"].items():
+        assert m["step_time_s"]["median"] > 0, name
+        assert m["bytes_in_per_apply"] > 0 and m["peak_private_max"] > 0 and m["peak_shared_max"] >= 0, name
+        assert len(m["workers"]) == contract.SLICES and all(w["peak_RssAnon"] > 0 for w in m["workers"]), name
+        assert all(e["applies"] > 0 for e in m["exchange"]), name
+        assert all(x > 0 for x in m["final_loss"]), name
+    eight, micro = (data["micro"][name] for name in contract.MICRO)
+    assert eight["gradients_per_apply"] == pytest.approx(8) and micro["gradients_per_apply"] == pytest.approx(2)
+    with open(files["md"]) as f:
+        md = f.read()
+    assert "| median |" in md and "new / today" in md and "peak private (RssAnon)" in md

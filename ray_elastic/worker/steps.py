@@ -14,7 +14,6 @@ so the state does not depend on which slice computed which shard.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Optional
 
@@ -37,15 +36,6 @@ def _host_value(a):
     return np.asarray(a.addressable_data(0))
 
 
-@dataclasses.dataclass(frozen=True)
-class _Reductions:
-    state: Optional[str]  # the model state's reduction (program.py)
-
-    @property
-    def state_op(self) -> str:
-        return "max" if self.state == "max" else "sum"
-
-
 class SliceSteps:
     """Gradients, reductions and applies of one host of slice `slice_id`,
     on the state it holds. The batch of (step, shard) is the program's
@@ -58,7 +48,9 @@ class SliceSteps:
         self._slice_id, self._host = slice_id, host
         self._seed, self._num_shards = seed, num_shards
         self._exchange, self._notice = exchange, notice
-        self._reductions = _Reductions(layout.program.model_state_reduction)
+        # The model state's reduction (program.py); partial sums add, but for "max".
+        self._state_reduction = layout.program.model_state_reduction
+        self._state_op = "max" if self._state_reduction == "max" else "sum"
 
     def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
         """(status, payload) of the gradients of `shards` at the held
@@ -92,7 +84,7 @@ class SliceSteps:
             if state is not None:  # replicated: every sending host carries it whole
                 state = jax.tree.map(_host_value, state)
                 out["model_state"][shard] = (jax.tree.map(lambda a: a * np.asarray(w, a.dtype), state)
-                                             if self._reductions.state == "weighted_mean" else state)
+                                             if self._state_reduction == "weighted_mean" else state)
         if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
             out["eval"] = self._evaluate(step, shards, speaks)
         if not speaks:
@@ -120,7 +112,7 @@ class SliceSteps:
         """(status {"count"}, partial sum) of the pieces of `parts` named by `keys`."""
         import jax
 
-        partial = reduce_pieces(jax.tree.map, keys, parts, self._reductions.state_op)
+        partial = reduce_pieces(jax.tree.map, keys, parts, self._state_op)
         return {"count": partial["count"]}, partial
 
     def apply(self, step: int, parts: tuple) -> dict:
@@ -136,7 +128,7 @@ class SliceSteps:
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to apply {step}")
         held.ensure()
-        total = reduce_pieces(jax.tree.map, None, parts, self._reductions.state_op)
+        total = reduce_pieces(jax.tree.map, None, parts, self._state_op)
         values = step_values(total, program.aux)
         if not math.isfinite(values.loss) and program.post_update is None:
             raise NonFiniteLoss(step, values.loss)
@@ -147,7 +139,7 @@ class SliceSteps:
             mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
         state = total["model_state"]
         if state is not None:
-            by = {"mean": values.shards, "weighted_mean": values.weight}.get(self._reductions.state)
+            by = {"mean": values.shards, "weighted_mean": values.weight}.get(self._state_reduction)
             state = jax.tree.map(lambda a: device_array(a if by is None else divided(a, by), layout.replicated),
                                  state)
         scalars = {k: device_array(np.float32(v), layout.replicated)
