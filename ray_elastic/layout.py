@@ -24,11 +24,24 @@ from typing import Any, Callable, Optional, Union
 
 from ray_elastic.errors import ConfigError
 
-__all__ = ["Layout", "LayoutPlan"]
+__all__ = ["Layout", "LayoutPlan", "MAXTEXT_MESH_AXES"]
 
 # Axes the global batch is split over when they are in the mesh: the
 # data-like ones (each device of them sees different rows).
 DATA_AXES = ("data", "fsdp")
+# MaxText's mesh axes, major to minor (its `mesh_axes` setting), and the
+# data-like ones among them (its `activation_batch` rule).
+MAXTEXT_MESH_AXES = ("data", "stage", "fsdp", "fsdp_transpose", "sequence", "context", "context_autoregressive",
+                     "tensor", "tensor_transpose", "tensor_sequence", "expert", "autoregressive")
+MAXTEXT_BATCH_AXES = ("data", "fsdp", "fsdp_transpose", "expert")
+
+
+def _rule_target(target: Any) -> Any:
+    """A rule's target as Flax takes it: a mesh axis, a tuple of them, or
+    None; MaxText's lists become tuples and its empty list None."""
+    if isinstance(target, (list, tuple)):
+        return tuple(target) or None
+    return target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +72,8 @@ class Layout:
     def __post_init__(self):
         mesh = tuple(tuple(a) if isinstance(a, (list, tuple)) else a for a in self.mesh)
         object.__setattr__(self, "mesh", mesh)
-        object.__setattr__(self, "rules", tuple(tuple(r) if isinstance(r, list) else r for r in self.rules))
+        object.__setattr__(self, "rules", tuple(
+            (r[0], _rule_target(r[1])) if isinstance(r, (list, tuple)) and len(r) == 2 else r for r in self.rules))
         object.__setattr__(self, "batch_axes", tuple(self.batch_axes))
         names = []
         for axis in mesh:
@@ -98,12 +112,36 @@ class Layout:
         ici_fsdp_parallelism: int = -1,
         ici_tensor_parallelism: int = 1,
         params: Any = None,
-        rules: tuple = (),
+        rules: Any = (),
+        *,
+        mesh_axes: Optional[Any] = None,
+        **ici_parallelism: int,
     ) -> "Layout":
-        """MaxText's in-slice parallelism flags (`ici_*_parallelism`, -1 for
-        the devices left over) as a mesh `data` x `fsdp` x `tensor`."""
-        mesh = (("data", ici_data_parallelism), ("fsdp", ici_fsdp_parallelism), ("tensor", ici_tensor_parallelism))
-        return cls(mesh=mesh, params=params, rules=rules)
+        """MaxText's in-slice parallelism flags (`ici_<axis>_parallelism`,
+        -1 for the devices left over) and its `logical_axis_rules` as it
+        writes them (list targets, `[]` for unsharded, a name listed again
+        as a fallback). The mesh is `data` x `fsdp` x `tensor` when only
+        those are used; with a flag or a rule for any other of MaxText's
+        axes, or `mesh_axes` given, it is MaxText's full set of axes in its
+        order (`MAXTEXT_MESH_AXES`), the unused ones of size 1."""
+        sizes = {"data": ici_data_parallelism, "fsdp": ici_fsdp_parallelism, "tensor": ici_tensor_parallelism}
+        for flag, size in ici_parallelism.items():
+            axis = flag[len("ici_"):-len("_parallelism")] if flag.startswith("ici_") and flag.endswith(
+                "_parallelism") else None
+            if axis is None or axis not in MAXTEXT_MESH_AXES:
+                raise ConfigError("layout.mesh", f"unknown MaxText flag {flag}; the flags are ici_<axis>_parallelism "
+                                  f"for the axes {MAXTEXT_MESH_AXES}")
+            sizes[axis] = size
+        named = {t for _, target in (tuple(r) for r in rules)
+                 for t in (target if isinstance(target, (list, tuple)) else (target,)) if t is not None}
+        if mesh_axes is None and (set(sizes) | named) <= {"data", "fsdp", "tensor"}:
+            mesh_axes = ("data", "fsdp", "tensor")
+        axes = tuple(MAXTEXT_MESH_AXES if mesh_axes is None else mesh_axes)
+        unknown = sorted(set(sizes) - set(axes))
+        if unknown:
+            raise ConfigError("layout.mesh", f"parallelism is set for {unknown}, which are not in mesh_axes {axes}")
+        batch = tuple(a for a in MAXTEXT_BATCH_AXES if a in axes)
+        return cls(mesh=tuple((a, sizes.get(a, 1)) for a in axes), params=params, rules=rules, batch_axes=batch)
 
     @property
     def sharded(self) -> bool:

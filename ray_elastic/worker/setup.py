@@ -17,6 +17,7 @@ are imported on use.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -31,7 +32,8 @@ from ray_elastic.program import TrainProgram
 from ray_elastic.worker.pretrained import load_pretrained
 from ray_elastic.worker.step_math import check_outputs, eval_function, grad_function, join_slot, split_slot, update_function
 
-__all__ = ["CompiledStep", "InitialState", "StateLayout", "compile_step", "free_port", "lay_out", "start_jax"]
+__all__ = ["CompiledStep", "InitialState", "StateLayout", "compile_step", "free_port", "lay_out", "start_jax",
+           "traced_under"]
 
 
 def free_port() -> int:
@@ -124,6 +126,24 @@ class StateLayout:
         return jax.tree.unflatten(self.opt_def, self.opt_specs)
 
 
+@contextlib.contextmanager
+def traced_under(mesh: Any, rules: tuple):
+    """The context the program's functions are traced in: the slice's mesh
+    set (so `with_sharding_constraint` on mesh axes works inside a model)
+    and the layout's Flax logical axis rules active (so do logical
+    constraints, `nn.with_logical_constraint`, as MaxText's layers make)."""
+    import jax
+
+    with jax.set_mesh(mesh):
+        if not rules:
+            yield
+            return
+        import flax.linen as nn
+
+        with nn.logical_axis_rules(rules):
+            yield
+
+
 def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: int, marks: list) -> StateLayout:
     """Build the program and lay its state out over `devices` by its
     layout; lower the step-0 state's functions. Marks `program_build`."""
@@ -137,12 +157,13 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
     replicated = NamedSharding(mesh, PartitionSpec())
     sharded = program.layout.sharded
     rng = jax.random.PRNGKey(seed)
-    p_out, o_out = _state_shardings(program, mesh, sharded, replicated, rng)
-    init_params = jax.jit(program.init_params, out_shardings=p_out).lower(rng)
-    p_shape = init_params.out_info
-    p_out = _full(p_out, p_shape)
-    params = jax.tree.map(_sharded_struct, p_shape, p_out)
-    init_opt = jax.jit(_init_slot(program), out_shardings=o_out).lower(params, rng)
+    with traced_under(mesh, program.layout.rules):
+        p_out, o_out = _state_shardings(program, mesh, sharded, replicated, rng)
+        init_params = jax.jit(program.init_params, out_shardings=p_out).lower(rng)
+        p_shape = init_params.out_info
+        p_out = _full(p_out, p_shape)
+        params = jax.tree.map(_sharded_struct, p_shape, p_out)
+        init_opt = jax.jit(_init_slot(program), out_shardings=o_out).lower(params, rng)
     o_shape = init_opt.out_info
     o_out = _full(o_out, o_shape)
     opt_state = jax.tree.map(_sharded_struct, o_shape, o_out)
@@ -206,25 +227,26 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
                           f"multiple of {layout.batch_ways * program.microbatches}")
     grad_fn = grad_function(program, layout.mesh, seed, num_shards, layout.batch_ways)
     rep = layout.replicated  # every scalar and the model state: whole on every device
-    lowered = jax.jit(grad_fn, out_shardings=(rep, rep, rep, rep, p_out)).lower(
-        params, opt_state, global_shape, scalar(np.int32), scalar(np.int32))
     _, held_state = split_slot(program, opt_state)
-    check_outputs(program, lowered.out_info, held_state)
-    grad = lowered.compile()
     evaluate = eval_fed = None
-    if program.eval_every:
-        eval_fed, eval_shape = _batch_feed(layout, program.make_eval_batch(seed, 0, num_shards),
-                                           "program.make_eval_batch")
-        lowered = jax.jit(eval_function(program, layout.mesh, seed, num_shards), out_shardings=rep).lower(
-            params, opt_state, eval_shape, scalar(np.int32), scalar(np.int32))
-        check_outputs(program, (*lowered.out_info, None, None), None, fn="eval_fn", declared=program.eval_aux)
-        evaluate = lowered.compile()
-    metrics = {name: scalar(np.float32) for name in ("loss", *program.aux)}
-    update = (
-        jax.jit(update_function(program), out_shardings=(p_out, o_out), donate_argnums=(0, 1))
-        .lower(params, opt_state, params, held_state, metrics)
-        .compile()
-    )
+    with traced_under(layout.mesh, program.layout.rules):
+        lowered = jax.jit(grad_fn, out_shardings=(rep, rep, rep, rep, p_out)).lower(
+            params, opt_state, global_shape, scalar(np.int32), scalar(np.int32))
+        check_outputs(program, lowered.out_info, held_state)
+        grad = lowered.compile()
+        if program.eval_every:
+            eval_fed, eval_shape = _batch_feed(layout, program.make_eval_batch(seed, 0, num_shards),
+                                               "program.make_eval_batch")
+            lowered = jax.jit(eval_function(program, layout.mesh, seed, num_shards), out_shardings=rep).lower(
+                params, opt_state, eval_shape, scalar(np.int32), scalar(np.int32))
+            check_outputs(program, (*lowered.out_info, None, None), None, fn="eval_fn", declared=program.eval_aux)
+            evaluate = lowered.compile()
+        metrics = {name: scalar(np.float32) for name in ("loss", *program.aux)}
+        update = (
+            jax.jit(update_function(program), out_shardings=(p_out, o_out), donate_argnums=(0, 1))
+            .lower(params, opt_state, params, held_state, metrics)
+            .compile()
+        )
     from jax.flatten_util import ravel_pytree
 
     flatten = unravel = None
