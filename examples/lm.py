@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 import flax.linen as nn
 import jax
@@ -316,14 +316,21 @@ class LMModel(nn.Module):
     dropout_rate: float = 0.0
 
     @nn.compact
-    def __call__(self, ids: jax.Array, deterministic: bool = True) -> jax.Array:
+    def __call__(self, ids: jax.Array, deterministic: bool = True, segment_ids: Optional[jax.Array] = None,
+                 positions: Optional[jax.Array] = None) -> jax.Array:
+        """Packed rows (several documents per row, as MaxText packs them)
+        pass `segment_ids` (1, 2, ... per document, 0 for padding) and
+        `positions` (each token's place in its document): a token then
+        attends only to earlier tokens of its own document."""
         length = ids.shape[-1]
         tok = nn.Embed(self.vocab_size, self.d_model, name="tok_embed")(ids)
         pos = self.param(
             "pos_embed", nn.initializers.normal(stddev=0.02), (self.seq_len, self.d_model)
         )
-        x = tok + pos[:length]
+        x = tok + (pos[:length] if positions is None else pos[positions])
         mask = nn.make_causal_mask(ids)
+        if segment_ids is not None:
+            mask = nn.combine_masks(mask, nn.make_attention_mask(segment_ids, segment_ids, jnp.equal))
         for i in range(self.num_layers):
             x = _Block(self.d_model, self.num_heads, self.mlp_dim, self.dropout_rate,
                        name=f"block_{i}")(x, mask, deterministic)

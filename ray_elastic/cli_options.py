@@ -41,7 +41,7 @@ __all__ = [
 DEBUG_ENV = "RAY_ELASTIC_DEBUG"
 
 MODELS = ("small", "medium", "large")
-EXAMPLES = ("lm", "lm-tokens", "cnn")
+EXAMPLES = ("lm", "lm-tokens", "lm-grain", "cnn")
 SHARDINGS = ("replicated", "fsdp", "fsdp_tp")
 
 
@@ -73,7 +73,8 @@ def add_shared_options(parser: argparse.ArgumentParser, steps: int, timeout_s: f
     opt("--example", choices=EXAMPLES, default="lm",
         help="the program to train: lm, the example LM with a plain mean loss; lm-tokens, the same LM written "
         "like a MaxText or lm1b train step (padded documents weighted by their real tokens, dropout, z-loss, "
-        "accuracy, an eval every 10 steps); cnn, a small CNN with batch norm statistics as model state "
+        "accuracy, an eval every 10 steps); lm-grain, the same LM fed by a Grain pipeline over an ArrayRecord file "
+        "it writes on first use (shuffled, tokenized, documents packed into rows, exact resume); cnn, a small CNN with batch norm statistics as model state "
         "(default: %(default)s)")
     opt("--model", choices=MODELS, default="small",
         help="the example LM's size: small 0.1M, medium 3.2M, large 25M parameters (default: %(default)s)")
@@ -179,6 +180,7 @@ class ExampleProgram:
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.plan.axis_names, self.plan.axis_sizes))
         what = {"lm": f"the example LM, model {self.model}",
                 "lm-tokens": f"the token-weighted example LM, model {self.model}",
+                "lm-grain": f"the example LM fed by a Grain pipeline, model {self.model}",
                 "cnn": "the example CNN with batch norm"}[self.example]
         return (f"{what}, layout {self.sharding} (mesh {mesh} over {self.devices} "
                 f"device{'s' if self.devices != 1 else ''} per slice)")
@@ -209,6 +211,9 @@ def example_program(lm, args: argparse.Namespace, spec) -> ExampleProgram:
     elif example == "lm-tokens":
         tokens = importlib.import_module(f"{package}.lm_tokens")
         factory = functools.partial(tokens.make_program, tokens.TokenLMConfig(lm=lm.PRESETS[args.model]), layout)
+    elif example == "lm-grain":
+        fed = importlib.import_module(f"{package}.lm_grain")
+        factory = functools.partial(fed.make_program, fed.GrainLMConfig(lm=lm.PRESETS[args.model]), layout)
     else:
         factory = functools.partial(lm.make_program, lm.PRESETS[args.model], layout)
     plan = layout.plan(spec.devices)

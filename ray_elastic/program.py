@@ -109,7 +109,12 @@ class TrainProgram:
     optimizer: an optax GradientTransformation.
     make_batch: (seed, step, shard, num_shards) -> numpy batch of that shard of
         the step's global batch. Must be pure: the same arguments give the
-        same arrays on any host, at any time.
+        same arrays on any host, at any time. When it also takes a `rows`
+        keyword, each host asks only for the rows its devices hold
+        (`rows=slice(a, b)`; `rows=None`, once at compile: the whole shard)
+        and reads nothing else; `ray_elastic.data.GrainBatches` is one. A
+        make_batch with a `check(steps, num_shards)` method is checked
+        before any resource is taken (a dataset too short says so).
     layout: how the state is laid out over a slice's devices (layout.py);
         the default replicates it on every device.
     aux: aux metric name -> its reduction over the global batch (REDUCTIONS).
@@ -126,7 +131,7 @@ class TrainProgram:
     eval_fn: (params, batch, ctx) -> LossOutput or scalar, like loss_fn
         but never differentiated; its aux metrics reduce by `eval_aux`.
     make_eval_batch: (seed, shard, num_shards) -> numpy batch: shard
-        `shard` of the fixed held-out set. The set has as many shards as
+        `shard` of the fixed held-out set (a `rows` keyword as make_batch's). The set has as many shards as
         the training batch; each is evaluated by the slice that computes
         that training shard, so the result does not depend on the slices.
     microbatches: scan each shard's batch in this many pieces on the
@@ -205,8 +210,33 @@ class TrainProgram:
         return _positional_args(self.loss_fn) >= 3
 
     @property
+    def batch_takes_rows(self) -> bool:
+        """Whether make_batch reads only the rows it is asked for."""
+        return _takes_rows(self.make_batch)
+
+    @property
+    def eval_batch_takes_rows(self) -> bool:
+        return self.make_eval_batch is not None and _takes_rows(self.make_eval_batch)
+
+    def check_data(self, steps: int, num_shards: int) -> None:
+        """Raise ConfigError when the data cannot feed `steps` steps of
+        `num_shards` shards (through make_batch's own `check`, if any)."""
+        for fn in (self.make_batch, self.make_eval_batch if self.eval_every else None):
+            check = getattr(fn, "check", None)
+            if callable(check):
+                check(steps, num_shards)
+
+    @property
     def has_model_state(self) -> bool:
         return self.init_model_state is not None
+
+
+def _takes_rows(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "rows" in params  # named, not **kwargs: a wrapper may not pass it on
 
 
 def _positional_args(fn: Callable) -> int:

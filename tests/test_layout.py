@@ -88,7 +88,7 @@ def test_cycle_finder_finds_one():
 # points (the public package, the CLI, elastic_retry) are at the top.
 LAYERS = [
     ("ray_elastic.errors", "ray_elastic.config", "ray_elastic.layout", "ray_elastic.program",
-     "ray_elastic.callbacks"),
+     "ray_elastic.callbacks", "ray_elastic.data"),
     ("ray_elastic.failures",),
     ("ray_elastic.checkpoint",),
     ("ray_elastic.observe",),

@@ -29,6 +29,7 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
+from ray_elastic.control.preflight import check_program
 from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
@@ -224,6 +225,8 @@ class Controller:
         from ray_elastic.cluster.ray_backend import RayBackend
 
         c = self.config
+        # The program runs in the workers; checked here first, before any slice is reserved.
+        check_program(self._factory, c.slice.devices, c.seed, c.shards, self.steps)
         return RayBackend(
             c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,

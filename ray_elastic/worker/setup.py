@@ -153,7 +153,7 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
     program = program_factory()
     marks.append(("program_build", time.time()))
     plan = program.layout.plan(len(devices))
-    mesh = Mesh(np.array(devices).reshape(plan.axis_sizes), plan.axis_names)
+    mesh = Mesh(_device_grid(devices, plan.axis_sizes), plan.axis_names)
     replicated = NamedSharding(mesh, PartitionSpec())
     sharded = program.layout.sharded
     rng = jax.random.PRNGKey(seed)
@@ -178,6 +178,18 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
         template={"params": jax.tree.map(plain, p_shape), "opt_state": jax.tree.map(plain, o_shape)},
         initial=InitialState(init_params, init_opt, rng, program.pretrained, params),
     )
+
+
+def _device_grid(devices: list, sizes: tuple) -> np.ndarray:
+    """The slice's devices as an array of the mesh's shape, in the order
+    MaxText's mesh takes them: jax's mesh_utils (topology-aware on TPU,
+    by device id on GPU, as given on CPU)."""
+    from jax.experimental import mesh_utils
+
+    try:
+        return mesh_utils.create_device_mesh(tuple(sizes), devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):  # a topology it cannot map: the given order
+        return np.array(devices).reshape(sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +228,11 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     import jax
 
     program = layout.program
-    fed, global_shape = _batch_feed(layout, program.make_batch(seed, 0, 0, num_shards), "layout.batch_axes")
+    # The whole of shard 0 once, for the batch's shapes (a make_batch that
+    # takes rows is asked for rows=None); every step then reads its rows.
+    sample = program.make_batch(seed, 0, 0, num_shards, rows=None) if program.batch_takes_rows \
+        else program.make_batch(seed, 0, 0, num_shards)
+    fed, global_shape = _batch_feed(layout, sample, "layout.batch_axes")
     params, opt_state = layout.params_spec(), layout.opt_spec()
     p_out, o_out = layout.param_shardings, layout.opt_shardings
     scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=layout.replicated)  # noqa: E731
@@ -235,8 +251,9 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
         check_outputs(program, lowered.out_info, held_state)
         grad = lowered.compile()
         if program.eval_every:
-            eval_fed, eval_shape = _batch_feed(layout, program.make_eval_batch(seed, 0, num_shards),
-                                               "program.make_eval_batch")
+            sample = program.make_eval_batch(seed, 0, num_shards, rows=None) if program.eval_batch_takes_rows \
+                else program.make_eval_batch(seed, 0, num_shards)
+            eval_fed, eval_shape = _batch_feed(layout, sample, "program.make_eval_batch")
             lowered = jax.jit(eval_function(program, layout.mesh, seed, num_shards), out_shardings=rep).lower(
                 params, opt_state, eval_shape, scalar(np.int32), scalar(np.int32))
             check_outputs(program, (*lowered.out_info, None, None), None, fn="eval_fn", declared=program.eval_aux)

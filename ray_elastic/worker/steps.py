@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 
+from ray_elastic.worker.batches import BatchReader
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
@@ -51,6 +52,7 @@ class SliceSteps:
         # The model state's reduction (program.py); partial sums add, but for "max".
         self._state_reduction = layout.program.model_state_reduction
         self._state_op = "max" if self._state_reduction == "max" else "sum"
+        self._batches = BatchReader(layout.program, seed, num_shards, compiled.rows, compiled.eval_rows)
 
     def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
         """(status, payload) of the gradients of `shards` at the held
@@ -70,8 +72,10 @@ class SliceSteps:
         at_step = device_array(np.int32(step), layout.replicated)
         for shard in shards:
             total, weight, aux, state, g = self._compiled.grad(
-                held.params, held.opt_state, self._global_batch(self._local_batch(step, shard)), at_step,
+                held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)), at_step,
                 device_array(np.int32(shard), layout.replicated))
+            if shard == shards[-1]:  # the next step's rows, read while this one's gradients compute
+                self._batches.read_ahead(step + 1, shards)
             if not speaks:
                 continue
             # Under a sharded layout every host sends its own blocks, to the
@@ -98,8 +102,7 @@ class SliceSteps:
         compiled, layout, out = self._compiled, self._layout, {}
         at_step = device_array(np.int32(step), layout.replicated)
         for shard in shards:
-            full = layout.program.make_eval_batch(self._seed, shard, self._num_shards)
-            local = {k: np.asarray(v)[compiled.eval_rows] for k, v in full.items()}
+            local = self._batches.held_out(shard)
             total, weight, aux = compiled.evaluate(
                 self._held.params, self._held.opt_state, self._global_batch(local, compiled.eval_shapes), at_step,
                 device_array(np.int32(shard), layout.replicated))
@@ -155,11 +158,6 @@ class SliceSteps:
             metrics["preempt_notice_at"] = self._notice.at
         held.last_apply = metrics
         return metrics
-
-    def _local_batch(self, step: int, shard: int) -> dict:
-        """The rows of the shard's batch this host's devices hold."""
-        full = self._layout.program.make_batch(self._seed, step, shard, self._num_shards)
-        return {k: np.asarray(v)[self._compiled.rows] for k, v in full.items()}
 
     def _global_batch(self, local: dict, shapes: Optional[dict] = None) -> dict:
         import jax
