@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|sharded|contract] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|sharded|contract|data] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -27,7 +27,10 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   loss_fn(params, batch) against loss_fn(params, batch, ctx) -> LossOutput,
   alternated run by run (target: new <= +2%), and 64 rows per step as 8
   shards against 2 shards of 4 microbatches (gradient bytes per apply,
-  worker memory, step time).
+  worker memory, step time);
+- data: the example LM fed by a Grain pipeline over an ArrayRecord file:
+  bytes read per host at 1, 2 and 4 hosts per slice, and the step time
+  against the same rows from memory (alternated runs).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "sharded",
-                                                                     "contract"))
+                                                                     "contract", "data"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
@@ -145,6 +148,20 @@ def main(argv=None) -> int:
         files = sharded.write(result, args.out)
         print()
         print(sharded.table(result))
+        print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
+        return 0
+
+    if args.suite == "data":
+        from bench import data
+
+        cluster = start_cluster(4)
+        try:
+            result = data.run(cluster, quick=args.quick, runs=args.runs, steps=args.steps)
+        finally:
+            cluster.shutdown()
+        files = data.write(result, args.out)
+        print()
+        print(data.table(result))
         print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
         return 0
 
