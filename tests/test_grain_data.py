@@ -563,3 +563,14 @@ def test_lm_grain_example_matches_a_plain_loop(tmp_path):
             assert batch["segment_ids"].max() >= 1
         assert not np.array_equal(plain[0]["tokens"], plain[1]["tokens"])
     program.check_data(10**6, n)  # repeat() without end: never too short
+
+
+def test_array_records_with_a_hole_and_records_with_other_keys_are_config_errors():
+    import grain
+
+    holed = grain.MapDataset.range(20).map(lambda i: np.array([i, i])).filter(lambda a: a[0] != 3)
+    with pytest.raises(ConfigError, match="record 3 is None"):
+        GrainBatches(holed, 4)(0, 0, 0, 1)
+    mixed = grain.MapDataset.range(20).map(lambda i: {"x": np.int32(i)} if i != 2 else {"x": 1, "y": 2})
+    with pytest.raises(ConfigError, match="record 2 has keys"):
+        GrainBatches(mixed, 4)(0, 0, 0, 1)

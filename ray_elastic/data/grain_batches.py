@@ -80,8 +80,9 @@ class _Records:
                               f"has {n}; repeat it (dataset.repeat(epochs), or .repeat() for no end) or ask "
                               "for fewer steps")
         examples = [ds[i] for i in range(first, first + count)]
-        if any(e is None for e in examples):  # a filter() in a MapDataset leaves holes
-            raise ConfigError(self._setting, f"{what}: record {first + examples.index(None)} is None (a "
+        hole = next((i for i, e in enumerate(examples) if e is None), None)
+        if hole is not None:  # a filter() in a MapDataset leaves holes
+            raise ConfigError(self._setting, f"{what}: record {first + hole} is None (a "
                               "MapDataset.filter leaves holes, and every row must be a record); filter the "
                               "data before writing it, or mask rows out through the loss's weights")
         if not examples:
@@ -89,6 +90,12 @@ class _Records:
         if not isinstance(examples[0], dict):
             raise ConfigError(self._setting, f"records must be dicts of arrays (one per batch key), got "
                               f"{type(examples[0]).__name__}")
+        keys = set(examples[0])
+        odd = next((i for i, e in enumerate(examples) if not isinstance(e, dict) or set(e) != keys), None)
+        if odd is not None:
+            got = sorted(examples[odd]) if isinstance(examples[odd], dict) else type(examples[odd]).__name__
+            raise ConfigError(self._setting, f"{what}: record {first + odd} has keys {got}, record {first} has "
+                              f"{sorted(keys)}; every record needs the same keys (one per batch key)")
         return {k: np.stack([np.asarray(e[k]) for e in examples]) for k in examples[0]}
 
 

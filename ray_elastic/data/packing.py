@@ -58,7 +58,8 @@ class PackedDocuments(grain.MapDataset):
         if isinstance(index, slice):
             return self.slice(index)
         window, row = divmod(int(index), self._rows_per_window)
-        return self.window(window)[0][row]
+        # A copy: a later map may change its arrays in place, and the window stays cached.
+        return {k: v.copy() for k, v in self.window(window)[0][row].items()}
 
     def window(self, window: int) -> tuple[list, int]:
         """(the window's rows, the tokens of the documents dropped from it)."""
