@@ -251,6 +251,10 @@ class LMConfig:
     grad_clip_norm: float = 1.0  # <= 0 disables clipping
     corpus_seed: int = 0
     corpus_chars: int = 200_000
+    # Constrain activations by logical names, as MaxText's layers do
+    # (activation_batch, activation_length, activation_embed, activation_mlp);
+    # the layout's rules map them to mesh axes (SHARDINGS).
+    logical_activations: bool = False
 
     def __post_init__(self) -> None:
         for name in ("seq_len", "d_model", "num_layers", "num_heads", "mlp_dim",
@@ -282,11 +286,16 @@ class LMConfig:
         return len(VOCAB)
 
 
+def _constrained(x: jax.Array, names: tuple, on: bool) -> jax.Array:
+    return nn.with_logical_constraint(x, names) if on else x
+
+
 class _Block(nn.Module):
     d_model: int
     num_heads: int
     mlp_dim: int
     dropout_rate: float = 0.0
+    logical_activations: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, mask: jax.Array, deterministic: bool = True) -> jax.Array:
@@ -299,6 +308,7 @@ class _Block(nn.Module):
         x = x + nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
         h = nn.LayerNorm(name="ln_mlp")(x)
         h = nn.Dense(self.mlp_dim, name="mlp_in")(h)
+        h = _constrained(h, ("activation_batch", "activation_length", "activation_mlp"), self.logical_activations)
         h = nn.gelu(h)
         h = nn.Dense(self.d_model, name="mlp_out")(h)
         return x + nn.Dropout(self.dropout_rate)(h, deterministic=deterministic)
@@ -314,6 +324,7 @@ class LMModel(nn.Module):
     num_heads: int
     mlp_dim: int
     dropout_rate: float = 0.0
+    logical_activations: bool = False
 
     @nn.compact
     def __call__(self, ids: jax.Array, deterministic: bool = True, segment_ids: Optional[jax.Array] = None,
@@ -331,9 +342,12 @@ class LMModel(nn.Module):
         mask = nn.make_causal_mask(ids)
         if segment_ids is not None:
             mask = nn.combine_masks(mask, nn.make_attention_mask(segment_ids, segment_ids, jnp.equal))
+        embed_names = ("activation_batch", "activation_length", "activation_embed")
+        x = _constrained(x, embed_names, self.logical_activations)
         for i in range(self.num_layers):
-            x = _Block(self.d_model, self.num_heads, self.mlp_dim, self.dropout_rate,
+            x = _Block(self.d_model, self.num_heads, self.mlp_dim, self.dropout_rate, self.logical_activations,
                        name=f"block_{i}")(x, mask, deterministic)
+            x = _constrained(x, embed_names, self.logical_activations)
         x = nn.LayerNorm(name="ln_final")(x)
         # A small head init keeps the initial loss near log(vocab_size).
         return nn.Dense(
@@ -345,6 +359,7 @@ def _model(config: LMConfig) -> LMModel:
     return LMModel(
         vocab_size=config.vocab_size, seq_len=config.seq_len, d_model=config.d_model,
         num_layers=config.num_layers, num_heads=config.num_heads, mlp_dim=config.mlp_dim,
+        logical_activations=config.logical_activations,
     )
 
 
@@ -444,9 +459,13 @@ _LOGICAL = {
 # dimension over the `fsdp` axis; with tensor parallelism the MLP and the
 # attention heads are also split over `tensor`. Names not listed (vocab,
 # position, kv, norm) stay whole.
+# Activations (with LMConfig.logical_activations) split their batch over
+# data and fsdp, as MaxText's activation_batch rule does, and the MLP's
+# hidden units over tensor; the embedding dimension stays whole.
 SHARDINGS = {
-    "fsdp": (("embed", "fsdp"),),
-    "fsdp_tp": (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor")),
+    "fsdp": (("embed", "fsdp"), ("activation_batch", ("data", "fsdp"))),
+    "fsdp_tp": (("embed", "fsdp"), ("mlp", "tensor"), ("heads", "tensor"), ("activation_batch", ("data", "fsdp")),
+                ("activation_mlp", "tensor")),
 }
 
 

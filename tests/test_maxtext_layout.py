@@ -143,3 +143,56 @@ def test_a_model_with_logical_activation_constraints_traces_under_the_slice_mesh
     # The rules are active: the activation's logical names resolve to mesh axes.
     assert seen["activation"].endswith("(('data', 'fsdp', 'fsdp_transpose'), 'tensor')"), seen
     assert "fsdp" in result["kernel"] and "tensor" in result["kernel"]
+
+
+LM_TRACE = """
+import json, sys
+sys.path.insert(0, {root!r})
+import jax
+from jax.sharding import NamedSharding
+import examples.lm as lm
+from ray_elastic.worker.setup import compile_step, lay_out
+
+seen = []
+plain = lm._constrained
+
+def inspected(x, names, on):
+    y = plain(x, names, on)
+    # Called while the step compiles, with the sharding the compiled step gives this activation.
+    jax.debug.inspect_array_sharding(y, callback=lambda s, names=names, shape=y.shape: seen.append(
+        {{"names": names, "shape": list(shape), "shards": list(s.shard_shape(shape))}}))
+    return y
+
+lm._constrained = inspected
+config = lm.LMConfig(logical_activations=True)
+program = lm.make_program(config, lm.sharded_layout({sharding!r}))
+laid = lay_out(jax.devices(), lambda: program, 0, [])
+compile_step(laid, 0, 2, [])
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.parametrize("sharding", ["fsdp", "fsdp_tp"])
+def test_the_example_lm_s_activation_constraints_are_in_its_compiled_step(sharding):
+    """The example LM with logical activation constraints, compiled as a
+    worker compiles it on a slice of 4 devices: each constrained activation
+    has the shards its rules ask for (batch over fsdp; the MLP's hidden
+    units over tensor under fsdp_tp). Read from the compiled step with
+    jax.debug.inspect_array_sharding. (A process of its own: 4 devices.)"""
+    import json
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    out = subprocess.run([sys.executable, "-c", LM_TRACE.format(root=root, sharding=sharding)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    fsdp = 4 if sharding == "fsdp" else 2
+    mlp = [s for s in seen if s["names"][-1] == "activation_mlp"]
+    embed = [s for s in seen if s["names"][-1] == "activation_embed"]
+    assert mlp and embed, seen
+    for s in embed:  # [batch, length, embed]: the batch split over fsdp, the rest whole
+        assert s["shards"] == [s["shape"][0] // fsdp, *s["shape"][1:]], s
+    for s in mlp:  # [batch, length, mlp]: the hidden units over tensor too under fsdp_tp
+        tensor = 2 if sharding == "fsdp_tp" else 1
+        assert s["shards"] == [s["shape"][0] // fsdp, s["shape"][1], s["shape"][2] // tensor], s

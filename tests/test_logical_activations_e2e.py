@@ -1,0 +1,43 @@
+"""A model that constrains its activations by logical names (the example
+LM with `logical_activations`, MaxText's way) trains on 2 slices x 2 hosts
+x 2 devices under the sharded layouts, computing what the same model
+without the constraints computes: a constraint moves data, not math.
+Tolerance: float32 rounding (the constraints change how XLA splits the
+sums; 1e-5 relative asserted, where a wrong batch or a wrong row would
+move the loss by far more). Which
+shards each activation gets in the compiled step is read in
+tests/test_maxtext_layout.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+
+from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 6
+
+
+def _run(cluster, sharding: str, constrained: bool):
+    import examples.lm as lm
+
+    cluster.ensure_nodes(4)
+    config = dataclasses.replace(lm.LMConfig(), logical_activations=constrained)
+    factory = functools.partial(lm.make_program, config, lm.sharded_layout(sharding))
+    cfg = ElasticConfig(num_slices=2, policy="pause", seed=0, step_deadline_floor_s=20.0, timeout_s=120.0,
+                        slice=CpuSlice(hosts=2, devices_per_host=2))
+    report = ElasticTrainer(factory, cfg, STEPS).fit()
+    assert report.steps_completed == STEPS and not report.failures
+    return report.losses
+
+
+@pytest.mark.parametrize("sharding", ["fsdp_tp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_logical_activation_constraints_train_as_the_unconstrained_model(cluster, sharding):
+    constrained = _run(cluster, sharding, True)
+    free = _run(cluster, sharding, False)
+    assert constrained == pytest.approx(free, rel=1e-5)
+    assert constrained[-1] < constrained[0]
