@@ -111,7 +111,7 @@ def test_each_host_reads_only_its_rows(grain_run):
 
 @pytest.mark.parametrize("policy,fault", [
     ("resize", "kill"),
-    ("pause", "remove_node"),
+    pytest.param("pause", "remove_node", marks=pytest.mark.slow),
     pytest.param("pause", "kill", marks=pytest.mark.slow),
     pytest.param("resize", "remove_node", marks=pytest.mark.slow),
 ])
