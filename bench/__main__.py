@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|sharded|contract|data] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|sharded|contract|data|snapshots] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -30,7 +30,12 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   worker memory, step time);
 - data: the example LM fed by a Grain pipeline over an ArrayRecord file:
   bytes read per host at 1, 2 and 4 hosts per slice, and the step time
-  against the same rows from memory (alternated runs).
+  against the same rows from memory (alternated runs);
+- snapshots: what an in-memory snapshot costs per model size and hosts per
+  slice (bytes, seconds on and off the step's path, CPU seconds), the large
+  model 2 x 2 FSDP with the default interval against snapshots off and a
+  plain jax.distributed job (alternated), and a loss of every slice against
+  the steps the report said it would redo.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "sharded",
-                                                                     "contract", "data"))
+                                                                     "contract", "data", "snapshots"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
@@ -162,6 +167,21 @@ def main(argv=None) -> int:
         files = data.write(result, args.out)
         print()
         print(data.table(result))
+        print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
+        return 0
+
+    if args.suite == "snapshots":
+        from bench import snapshots
+
+        cluster = start_cluster(4, object_store_mb=snapshots.OBJECT_STORE_MB)
+        try:
+            result = snapshots.run(cluster, quick=args.quick, runs=args.runs, steps=args.steps,
+                                   partial_path=os.path.join(args.out, "snapshots.partial.json"))
+        finally:
+            cluster.shutdown()
+        files = snapshots.write(result, args.out)
+        print()
+        print(snapshots.table(result))
         print(f"\nwrote {files['json']} and {files['md']} ({time.monotonic() - t0:.0f} s)")
         return 0
 

@@ -132,7 +132,7 @@ class FakeWorker:
     returns ObjectRefs; a dead worker's calls return refs that raise
     ActorDiedError."""
 
-    _METHODS = ("info", "setup", "compute_grads", "reduce", "apply", "state", "flat_state", "load_state",
+    _METHODS = ("info", "setup", "compute_grads", "reduce", "apply", "snapshot", "state", "flat_state", "load_state",
                 "held_step", "ping", "state_template", "coordinator_address", "abort_waits")
 
     def __init__(self, owner: "FakeSlices", slice_id: int, host: int, hosts: int):
@@ -216,7 +216,10 @@ class FakeWorker:
             self.step = step + 1
             metrics = {"step": step + 1, "loss": 1.0 / (1 + step), "shards": self._owner.num_shards}
             self._last_apply = metrics
-        return metrics, (self._flat_state() if snapshot else None)
+        return metrics
+
+    def _snapshot(self, step: int, *after) -> tuple:
+        return {"step": step + 1, "bytes": int(self._owner.flat.nbytes)}, self._flat_state()
 
     def _flat_state(self) -> FlatState:
         return FlatState(self.step, self._owner.flat)

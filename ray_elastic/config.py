@@ -171,9 +171,15 @@ class ElasticConfig:
     snapshot_every_replicated: the same while two or more slices are live.
         Their memory already holds the state in as many failure domains, so
         losing any one node or slice still redoes only the step in flight;
-        snapshots then guard only against losing every slice at once, and
-        taking one every 10 steps (the default) keeps their cost off the
-        step time.
+        snapshots then guard only against losing every slice at once.
+        "auto" (the default) takes the Young-Daly interval from a
+        snapshot's measured cost and `all_slices_mtbf_s`
+        (control/snapshot_schedule.py): as often as they pay for
+        themselves. An int fixes the interval.
+    all_slices_mtbf_s: the mean time between losses of every slice at
+        once that "auto" plans for (default 86400: one a day); each such
+        loss seen in the run shortens the estimate. A loss of every slice
+        redoes at most the interval this gives (the run's report says it).
     batch_on_resize: "accumulate" (default) keeps the global batch constant
         by gradient accumulation on the survivors, so the optimisation is the
         one a failure-free run does; "shrink" drops the lost slices' shards.
@@ -219,7 +225,8 @@ class ElasticConfig:
     timeout_s: float = 300.0
     max_retries: int = 10
     snapshot_every: int = 1
-    snapshot_every_replicated: int = 10
+    snapshot_every_replicated: Union[int, str] = "auto"
+    all_slices_mtbf_s: float = 86400.0
     batch_on_resize: str = "accumulate"
     step_deadline_floor_s: float = 10.0
     step_deadline_factor: float = 10.0
@@ -263,10 +270,13 @@ class ElasticConfig:
             raise ConfigError("timeout_s", f"must be >= 0 seconds, got {self.timeout_s!r}")
         if not _count(self.max_retries) or self.max_retries < 0:
             raise ConfigError("max_retries", f"must be >= 0, got {self.max_retries!r}")
-        if not _count(self.snapshot_every_replicated) or self.snapshot_every_replicated < 1:
+        if self.snapshot_every_replicated != "auto" and (
+                not _count(self.snapshot_every_replicated) or self.snapshot_every_replicated < 1):
             raise ConfigError(
-                "snapshot_every_replicated", f"must be >= 1, got {self.snapshot_every_replicated!r}"
+                "snapshot_every_replicated", f"must be \"auto\" or >= 1, got {self.snapshot_every_replicated!r}"
             )
+        if not _number(self.all_slices_mtbf_s) or self.all_slices_mtbf_s <= 0:
+            raise ConfigError("all_slices_mtbf_s", f"must be > 0 seconds, got {self.all_slices_mtbf_s!r}")
         if not _count(self.snapshot_every) or self.snapshot_every < 0:
             raise ConfigError(
                 "snapshot_every", f"must be >= 0 (0 turns snapshots off), got {self.snapshot_every!r}"

@@ -68,8 +68,11 @@ def test_every_worker_lost_restores_from_snapshot_on_surviving_node(nodes, lm_fa
     assert kinds == ["node_died", "process_died"]
     last = report.failures[-1]
     assert last.restored_from == "snapshot"
-    assert all(f.steps_rewound <= 1 for f in report.failures)
-    assert not any(e["event"] == "rewind" and e["to_step"] < FAIL_AT for e in report.events)
+    # Snapshots are copied off the step's path: the one of step FAIL_AT may
+    # still be sealing when both slices go, and then the one before it is
+    # restored (one step more redone, and reported).
+    assert all(f.steps_rewound <= 2 for f in report.failures)
+    assert not any(e["event"] == "rewind" and e["to_step"] < FAIL_AT - 1 for e in report.events)
     _assert_same_state(trainer.final_state, ref.final_state)
 
 

@@ -14,6 +14,13 @@ is usable only while all of them live. The driver never pins such a copy
 (a sharded state is one too large for one device, and the head node may
 not hold it either): with one slice left, the newest committed checkpoint
 is the fallback.
+
+The copies are made off the step's path (the workers' `snapshot` calls
+run beside the next step), so a snapshot is sealed some time after its
+step completed: a thread here waits for the calls' statuses and, with one
+slice, pins the copy; until then the previous complete snapshot is the one
+restored. Each sealed snapshot leaves a record (`SnapshotRecord`): its
+bytes per host and how long it took to seal.
 """
 
 from __future__ import annotations
@@ -24,63 +31,126 @@ from typing import Any, Callable, Optional
 
 import ray
 
-__all__ = ["SnapshotStore"]
+__all__ = ["SnapshotRecord", "SnapshotStore"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotRecord:
+    """A sealed snapshot: of `step`, `bytes_per_host` (the largest part a
+    host copied), `seal_s` from its step's completion to every copy (and
+    the pin) sealed, `views_cpu_s` the workers' CPU seconds making the host
+    views (summed over hosts; the object store's copy is not in them)."""
+
+    step: int
+    bytes_per_host: int
+    seal_s: float
+    views_cpu_s: float
+    copies: int
 
 
 @dataclasses.dataclass
 class _Pending:
     step: int
     needed: int
-    refs: dict  # slice_id -> ObjectRef
+    refs: dict  # slice_id -> ObjectRef (or a tuple: one per host)
     nodes: dict = dataclasses.field(default_factory=dict)  # slice_id -> nodes holding the copy
-    pinned: Optional[concurrent.futures.Future] = None
+    done: dict = dataclasses.field(default_factory=dict)  # slice_id -> its snapshot calls' status refs
+    offered_at: float = 0.0
+    sealing: Optional[concurrent.futures.Future] = None  # -> (statuses, seconds, pinned value or None)
 
 
 class SnapshotStore:
-    def __init__(self, fetch: Callable[[Any], Any] = ray.get) -> None:
-        self._fetch = fetch  # reads a copy into the driver (the pin)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="snapshot-pin")
-        self._pending: Optional[_Pending] = None
+    def __init__(self, fetch: Optional[Callable[..., Any]] = None, clock: Optional[Callable[[], float]] = None,
+                 seal_timeout_s: float = 600.0) -> None:
+        import time
+
+        # (ref or list, timeout_s) -> value: reads statuses and the pinned copy into the driver
+        self._fetch = fetch or (lambda ref, timeout_s=None: ray.get(ref, timeout=timeout_s))
+        self._clock = clock or time.monotonic
+        self._seal_timeout_s = seal_timeout_s
+        # Two threads: a copy that never seals (its worker frozen) holds
+        # one until its timeout, and must not hold up the next.
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="snapshot-seal")
+        self._pending: list[_Pending] = []  # expected or sealing, oldest first
         self._complete: Optional[_Pending] = None
         self._pinned_value: Any = None
+        self._records: list[SnapshotRecord] = []
 
     def expect(self, step: int, copies_from_slices: int) -> None:
         """A snapshot of `step` is being taken by that many slices."""
-        self._pending = _Pending(step, max(1, copies_from_slices), {})
+        self._promote()
+        self._pending = [p for p in self._pending if p.sealing is not None][-1:]  # one still sealing may finish
+        self._pending.append(_Pending(step, max(1, copies_from_slices), {}))
 
-    def offer(self, step: int, slice_id: int, ref: Any, nodes: Any = "") -> None:
+    def offer(self, step: int, slice_id: int, ref: Any, nodes: Any = "", done: tuple = ()) -> None:
         """A slice's copy of the snapshot of `step`; `nodes`: the node (or
-        nodes, one per part of a sharded copy) holding it."""
-        p = self._pending
-        if p is None or p.step != step:
+        nodes, one per part of a sharded copy) holding it; `done`: the refs
+        of the calls' statuses that say it is sealed (none: it is)."""
+        p = next((p for p in self._pending if p.step == step and p.sealing is None), None)
+        if p is None:
             return
         p.refs[slice_id] = ref
         p.nodes[slice_id] = (nodes,) if isinstance(nodes, str) else tuple(nodes)
-        if p.needed == 1 and p.pinned is None and not isinstance(ref, tuple):
-            # One slice only: pin a second copy next to the driver, off the
-            # step loop's thread.
-            p.pinned = self._pool.submit(self._fetch, ref)
+        p.done[slice_id] = tuple(done)
+        if len(p.refs) >= p.needed:
+            p.offered_at = self._clock()
+            # One slice only: pin a second copy next to the driver.
+            pin = p.refs[slice_id] if p.needed == 1 and not isinstance(ref, tuple) else None
+            statuses = [r for d in p.done.values() for r in d]
+            if statuses or pin is not None:
+                p.sealing = self._pool.submit(self._seal, statuses, pin, p.offered_at)
+            else:
+                p.sealing = _done((), 0.0, None)
         self._promote()
 
+    def _seal(self, statuses: list, pin: Any, since: float) -> tuple:
+        got = self._fetch(statuses, self._seal_timeout_s) if statuses else []
+        pinned = self._fetch(pin, self._seal_timeout_s) if pin is not None else None
+        return got, self._clock() - since, pinned
+
     def _promote(self) -> None:
-        p = self._pending
-        if p is None or len(p.refs) < p.needed:
-            return
-        # The copies ride on replies the controller has already received, so
-        # they are sealed: no need to ask the object store again.
-        if p.pinned is not None and (not p.pinned.done() or p.pinned.exception() is not None):
-            return
-        self._pinned_value = p.pinned.result() if p.pinned is not None else None
-        self._complete, self._pending = p, None
+        """Make the newest sealed snapshot the complete one; drop those
+        that failed (a worker lost mid-copy) or that a newer one passed."""
+        for p in list(self._pending):
+            if p.sealing is None or not p.sealing.done():
+                continue
+            self._pending.remove(p)
+            if p.sealing.exception() is not None or (self._complete is not None and self._complete.step >= p.step):
+                continue
+            statuses, seal_s, pinned = p.sealing.result()
+            self._complete, self._pinned_value = p, pinned
+            self._records.append(SnapshotRecord(
+                step=p.step, bytes_per_host=max((s["bytes"] for s in statuses), default=0), seal_s=seal_s,
+                views_cpu_s=sum(s.get("views_cpu_s", 0.0) for s in statuses), copies=len(p.refs)))
 
     @property
     def has_pinned_copy(self) -> bool:
         """Whether the driver holds a copy of the newest complete snapshot."""
         return self._pinned_value is not None
 
+    def sealing(self) -> bool:
+        """Whether a snapshot is still being copied (offered, not sealed)."""
+        self._promote()
+        return any(p.sealing is not None for p in self._pending)
+
+    def take_records(self) -> list[SnapshotRecord]:
+        """The snapshots sealed since the last call."""
+        self._promote()
+        out, self._records = self._records, []
+        return out
+
     def latest_step(self) -> Optional[int]:
         self._promote()
         return None if self._complete is None else self._complete.step
+
+    def copy_of(self, step: int) -> Any:
+        """A copy of the snapshot of `step`, sealed or still sealing (Ray
+        hands it to a call once sealed); None if there is none."""
+        self._promote()
+        for p in [*self._pending, self._complete]:
+            if p is not None and p.step == step and len(p.refs) >= p.needed and p.refs:
+                return next(iter(p.refs.values()))
+        return None
 
     def restore_source(self, node_alive: Callable[[str], bool]) -> Optional[tuple[int, Any]]:
         """(step, object) to load the newest complete snapshot from.
@@ -105,14 +175,24 @@ class SnapshotStore:
         self._complete = None
         self._pinned_value = None
 
-    def wait_pinned(self, timeout: float) -> None:
-        p = self._pending
-        if p is not None and p.pinned is not None:
-            try:
-                p.pinned.result(timeout=timeout)
-            except Exception:
-                pass
+    def wait_sealed(self, timeout: float) -> float:
+        """Wait (up to `timeout`) for the snapshots being copied to seal;
+        the seconds waited."""
+        t0 = self._clock()
+        for p in list(self._pending):
+            if p.sealing is not None:
+                try:
+                    p.sealing.result(timeout=timeout)
+                except Exception:
+                    pass
         self._promote()
+        return self._clock() - t0
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _done(*value) -> concurrent.futures.Future:
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    f.set_result(value)
+    return f

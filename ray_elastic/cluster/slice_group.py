@@ -37,7 +37,9 @@ __all__ = ["LiveSlice", "Provisioning", "RaySlices", "SliceProvisioner"]
 # it, still coming) lets later calls start first: sharing the default
 # group, a worker hosting a reduction tree's nodes could fill every thread
 # with calls waiting for its own gradients, which then never ran.
-_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1, "control": 1, "compute": 1})(SliceWorker)
+# A snapshot's copy into the object store runs on its own thread too
+# (`snapshot`), beside the next step's gradients.
+_RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1, "control": 1, "compute": 1, "snapshot": 1})(SliceWorker)
 
 # glibc's allocator, for every worker process (set at its start; a value
 # in the driver's environment wins). A worker's calls run on several

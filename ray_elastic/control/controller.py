@@ -42,6 +42,7 @@ from ray_elastic.observe.recording import ReportRecorder
 from ray_elastic.observe.report import RunReport
 from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting, status
 from ray_elastic.checkpoint.snapshots import SnapshotStore
+from ray_elastic.control.snapshotting import Snapshotting
 from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.seams import Seams
 
@@ -140,6 +141,7 @@ class Controller:
                 load_timeout_s=max(30.0, self.config.first_step_deadline_s),
             )
             self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name)
+            self._snapshotting = Snapshotting(self.config, self._snapshots, self._saves.due, self._event, self._clock())
             self._start()
             if self._ckpt:
                 backend.attach_checkpoints(self._ckpt, min(self.members.live))
@@ -343,6 +345,7 @@ class Controller:
             self._event("rewind", from_step=self.step, to_step=step)
         self.step = step
         del self._step_durations[step:]
+        self._snapshotting.restart(step)
 
     # -- one step -----------------------------------------------------------
 
@@ -358,7 +361,7 @@ class Controller:
         k, m, t_start, c = self.step, self.members, self._clock(), self.config
         self._t_step, self._step_slices = t_start, len(m.live)
         assignment = assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None))
-        takers = self._snapshot_takers(k + 1)
+        takers = self._snapshotting.takers(k + 1, m.live)
 
         def fire_faults(phase: str = "grads") -> None:
             for fired in self._injector.fire_due(k, m.hosts(), phase):
@@ -376,15 +379,10 @@ class Controller:
         `slices`: how many computed it (default: the live ones)."""
         m = self.members
         self._preemption.record_step(result.metrics)
-        for s, ref in result.snapshots.items():
-            nodes = [h["node_id"] for h in m.backend.hosts(s)]
-            self._snapshots.offer(k + 1, s, ref, nodes if isinstance(ref, tuple) else nodes[0])
-        if len(result.snapshots) == 1:
-            # One live slice: no other failure domain holds the state until
-            # the driver's pinned copy lands, so wait for it.
-            self._snapshots.wait_pinned(timeout=self._deadline_s())
-
         t_end = self._clock()
+        self._snapshotting.step_done(k + 1, result, t_end - t_start,
+                                     lambda s: [h["node_id"] for h in m.backend.hosts(s)], self._deadline_s())
+        t_end = self._clock()  # with a pinned copy's wait
         self.step = k + 1
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
@@ -407,18 +405,6 @@ class Controller:
         step_metrics = {"loss": result.loss, **result.aux, "slices": live, "step_s": step_s}
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
-
-    def _snapshot_takers(self, step: int) -> frozenset:
-        """The slices whose reply to this step carries a snapshot: two (two
-        failure domains); every step while one slice holds the state."""
-        c, live = self.config, self.members.live
-        every = c.snapshot_every if len(live) < 2 else c.snapshot_every_replicated
-        due = (c.snapshot_every and step % every == 0) or self._saves.due(step)
-        if not due:
-            return frozenset()
-        takers = sorted(live)[:2]
-        self._snapshots.expect(step, len(takers))
-        return frozenset(takers)
 
     # -- recovery -----------------------------------------------------------
 
@@ -443,6 +429,8 @@ class Controller:
         # group until Ray declares it dead: the replacement gets a new group.
         new_group = f.node_silent
         self.members.lose(f.slice_id, new_group=new_group)
+        if not self.members.live:  # the loss snapshots guard against: every slice at once
+            self._snapshotting.all_lost(now)
         self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))
         try:
             self._reconcile(unreachable=f.kind.value in ("node_died", "hung"))
@@ -490,7 +478,7 @@ class Controller:
         open_failure.compute_redone = len(lost) / self.config.shards
         t_start = self._clock()
         try:
-            result = m.backend.finish_step(partial, sorted(m.live), self._snapshot_takers(k + 1), self._deadline_s())
+            result = m.backend.finish_step(partial, sorted(m.live), self._snapshotting.takers(k + 1, m.live), self._deadline_s())
         except SliceFailure as again:
             open_failure.steps_rewound, open_failure.compute_redone = 1, None
             return self._recover(again)
@@ -511,6 +499,7 @@ class Controller:
         step = self._saves.cold_start(step, max(60.0, self.config.first_step_deadline_s), self.members.backend.load)
         self.step = step
         self._step_durations = [0.0] * step  # steps done by an earlier run
+        self._snapshotting.restart(step)
         self._event("restore", source="checkpoint", step=step, cold_start=True)
 
     def _after_step(self) -> None:

@@ -31,13 +31,14 @@ class Saves:
         return c.config.continuous and not c.busy() and step > (c.last_saved or 0)
 
     def current(self, step: int):
-        """A ref to the state of `step` (the newest snapshot if it is that
-        step's, else a copy asked from a live slice)."""
+        """A ref to the state of `step` (that step's snapshot, sealed or
+        still being copied, else a copy asked from a live slice)."""
         m = self.members
         found = self.snapshots.restore_source(m.backend.node_alive)
         if found is not None and found[0] == step:
             return found[1]
-        return m.backend.state(min(m.live))
+        copy = self.snapshots.copy_of(step)
+        return copy if copy is not None else m.backend.state(min(m.live))
 
     def after_step(self, step: int) -> None:
         """Take in a save that finished; start one if due and none is in flight."""

@@ -347,7 +347,7 @@ class GroupedRunner:
             # The snapshotting slices' applies are the driver's own: it then
             # owns the snapshots, which outlive any leader.
             mine = {s: live[s] for s in takers}
-            applies, snaps = self.top.issue_apply(k, mine, [t.ref for t in top], takers) if mine else ([], dict)
+            applies, snaps = self.top.issue_apply(k, mine, [t.ref for t in top], takers) if mine else ([], lambda: ({}, {}))
             by_slice = refs_by_slice(applies)
 
             def step_call(g: int, apply_only: bool = False):
@@ -388,7 +388,7 @@ class GroupedRunner:
                 self.steps_ahead += 1
             if nxt_parts is not None and all(r.next_tops is not None for r in replies.values()):
                 self._next = _Ahead(k + 1, nxt_parts, {g: r.next_tops for g, r in replies.items()})
-            return StepResult(metrics, snaps())
+            return StepResult(metrics, *snaps())
         raise RunFailed(f"step {k}: the sum over the group leaders was made 3 times without taking",
                         setting="slices_per_leader")
 

@@ -14,8 +14,8 @@ APPLY_FAN_IN refs and the driver's work stays linear in the slice count.
 The tree's shape depends only on the shard count, so the additions happen
 in the same order whichever slices are alive (a resized run stays bitwise
 equal to a failure-free one). Phase 2: every host applies the mean; the
-slices chosen to snapshot return the new state with their reply, so a step
-is never reported done before its snapshot is sealed.
+slices chosen to snapshot copy the new state out in a call of its own, off
+the step's path (checkpoint/snapshots.py says when it counts).
 
 A lost or hung host surfaces as a `SliceFailure` (failures/location.py), the
 first one seen; gradients never pass through the driver.
@@ -82,9 +82,11 @@ def senders(sl) -> int:
 @dataclasses.dataclass(frozen=True)
 class StepResult:
     metrics: dict  # (slice, host) -> the worker's step metrics (loss, notices)
-    # slice -> ref of the state it snapshotted after the step; under a
-    # sharded layout a tuple of refs, one per host (its own blocks).
+    # slice -> ref of the state it snapshotted after the step (a tuple, one
+    # per host, under a sharded layout); copied off the step's path, so not
+    # sealed until the refs of its calls' statuses (snapshot_status) are.
     snapshots: dict
+    snapshot_status: dict = dataclasses.field(default_factory=dict)
 
     @property
     def loss(self) -> float:
@@ -188,12 +190,11 @@ class StepRunner:
         ahead: Optional[Mapping[int, tuple]] = None,
     ) -> StepResult:
         """Run step k within deadline_s. `assignment`: slice -> its shards;
-        `takers`: slices whose reply carries a snapshot; `on_issued` runs
+        `takers`: slices that snapshot the new state; `on_issued` runs
         once phase 1 is in flight, then with "reduce" once every gradient is
         in, and with "apply" once the sum is made (where injected faults
-        fire, faults.FAULT_PHASES); `ahead`:
-        the next step's assignment, to issue its pure calls early (None:
-        the step boundary may change the slices)."""
+        fire, faults.FAULT_PHASES); `ahead`: the next step's assignment, to
+        issue its pure calls early (None: the boundary may change slices)."""
         wait = Deadline.after(self._clock(), deadline_s)
         self.step = k
         pre = self._ahead
@@ -224,7 +225,7 @@ class StepRunner:
                     self.drop_ahead()
                     return self._apply(k, live, holders(assignment, pre.payloads), takers, wait, on_issued)
                 on_issued("apply")
-                result = StepResult(self.gather(applies, k, wait, live), snaps())
+                result = StepResult(self.gather(applies, k, wait, live), *snaps())
         except BaseException:
             self.drop_ahead()  # the step failed: what was issued after it is void
             raise
@@ -349,9 +350,9 @@ class StepRunner:
                      for g in range(groups)}
         on_issued("apply")  # the sum is made, the applies not yet issued
         issued, snaps = self.issue_apply(k, live, grad_refs, takers)
-        return StepResult(self.gather(issued, k, wait, live), snaps())
+        return StepResult(self.gather(issued, k, wait, live), *snaps())
 
-    def issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], dict]]:
+    def issue_apply(self, k: int, live: Mapping, grad_refs, takers: frozenset) -> tuple[list, Callable[[], tuple]]:
         """The apply calls: host h takes grad_refs[h] (a sharded layout) or
         grad_refs[0]; a list is every host's. Returns the calls and what
         gives the snapshots' refs once they are gathered (a re-issued call
@@ -359,7 +360,7 @@ class StepRunner:
         calls, and tells these slices (`track_slices`)."""
         if isinstance(grad_refs, list):
             grad_refs = {0: grad_refs}
-        issued, parts = [], {}  # parts: slice -> {host: its snapshot's ref}
+        issued, parts = [], {}  # parts: slice -> {host: (its snapshot's status ref, state ref)}
         self._applies = {}
         for s, sl in sorted(live.items()):
             own = per_host(sl)
@@ -369,17 +370,17 @@ class StepRunner:
                 refs = grad_refs[h if own else 0]
 
                 def call(w=w, take=take, refs=refs, s=s, h=h):
-                    m_ref, snap_ref = w.apply.options(num_returns=2).remote(k, take, list(refs), self.epoch)
-                    if take:
-                        parts.setdefault(s, {})[h] = snap_ref
+                    m_ref = w.apply.remote(k, take, list(refs), self.epoch)
+                    if take:  # the copy, off the step's path, once the apply is done; the driver owns it
+                        parts.setdefault(s, {})[h] = w.snapshot.options(num_returns=2, concurrency_group="snapshot").remote(k, m_ref)
                     self._applies[(s, h)] = m_ref  # a re-issue is the one settle_applies waits for
                     return m_ref
 
                 issued.append(Call(s, h, call(), call))
 
-        def snaps() -> dict:
-            return {s: tuple(refs[h] for h in sorted(refs)) if per_host(live[s]) else refs[0]
-                    for s, refs in parts.items()}
+        def snaps() -> tuple[dict, dict]:  # (slice -> state ref(s), slice -> status refs)
+            return ({s: tuple(refs[h][1] for h in sorted(refs)) if per_host(live[s]) else refs[0][1]
+                     for s, refs in parts.items()}, {s: tuple(r[0] for _, r in sorted(refs.items())) for s, refs in parts.items()})
 
         self.track_slices(live)
         return issued, snaps
@@ -398,9 +399,8 @@ class StepRunner:
         """Step k's result on the live slices, for a step that lost a slice
         after they had applied it (the controller found them a step ahead):
         the metrics each host kept of its apply (the apply's own reply may
-        have been cancelled by `settle_applies` as it finished). No
-        snapshot: those rode on the cancelled replies. None if no host
-        holds step k + 1."""
+        have been cancelled by `settle_applies` as it finished), no
+        snapshot. None if no host holds step k + 1."""
         keys = [(s, h) for s in sorted(live) for h in range(len(live[s].workers))]
         try:
             held = ray.get([live[s].workers[h].held_step.remote(True) for s, h in keys], timeout=30.0)

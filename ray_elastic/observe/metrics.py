@@ -28,6 +28,8 @@ Ray puts `ray_` in front of every application metric, so the names below
 | `ray_elastic_events_total` | counter | run, event | every timeline event, by name (checkpoints too) |
 | `ray_elastic_recovery_seconds` | histogram | run | fault -> next completed step, per failure |
 | `ray_elastic_last_recovery_seconds` | gauge | run | the same, for the latest failure |
+| `ray_elastic_snapshot_interval_steps` | gauge | run | steps between snapshots with two or more live slices, as last chosen |
+| `ray_elastic_snapshot_seconds` | gauge | run | the last snapshot's cost on the step time (its steps over the median) |
 
 Ray drops a gauge series that has not been set for two report intervals, so
 a small daemon thread sets the gauges again every few seconds while the run
@@ -91,6 +93,9 @@ def _metrics() -> dict:
                 "spare_slices": Gauge("elastic_spare_slices", "hot spare slices ready to take a failed slice's place", run),
                 "goodput": Gauge("elastic_goodput", "time in kept steps / wall time so far", run),
                 "last_recovery": Gauge("elastic_last_recovery_seconds", "fault -> next completed step, latest failure", run),
+                "snapshot_interval": Gauge("elastic_snapshot_interval_steps",
+                                           "steps between snapshots with two or more live slices", run),
+                "snapshot_seconds": Gauge("elastic_snapshot_seconds", "the last snapshot's cost on the step time", run),
                 "failures": Counter("elastic_failures", "slice failures by kind", ("run", "kind")),
                 "rewound": Counter("elastic_rewound_steps", "steps whose work was thrown away", run),
                 "events": Counter("elastic_events", "timeline events by name", ("run", "event")),
@@ -200,6 +205,9 @@ class MetricsCallback(Callback):
             to = int(e.get("to_step", len(self._durations)))
             del self._durations[to:]
             self._set("step", to)
+        elif name == "snapshot":
+            self._set("snapshot_interval", int(e.get("interval", 0)))
+            self._set("snapshot_seconds", max(0.0, float(e.get("step_path_s", 0.0))))
         elif name == "recovered":
             rec = e.get("recovered_s")
             if isinstance(rec, (int, float)):

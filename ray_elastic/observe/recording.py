@@ -48,6 +48,8 @@ class ReportRecorder(Callback):
             r.step_times = [0.0] * step
             r.slices_per_step = [0] * step
             r.metrics_per_step = [{} for _ in range(step)]
+        elif name == "snapshot":
+            r.snapshots.append({k: v for k, v in event.items() if k not in ("event", "t")})
         elif name == "checkpoint_saved":
             r.checkpoints.append({k: event[k] for k in ("step", "seconds", "bytes")})
         elif name == "end":

@@ -46,7 +46,16 @@ class RunReport:
     outcome: str = "completed"  # completed | preempted | failed
     resumed_from: Optional[int] = None  # checkpoint step a cold start resumed from
     checkpoints: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Per snapshot taken with two or more live slices (control/snapshotting.py):
+    # step, bytes_per_host, seal_s, views_cpu_s, step_path_s, interval, max_redo_steps.
+    snapshots: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     error: str = ""
+
+    @property
+    def snapshot_interval(self) -> Optional[int]:
+        """The interval between snapshots last chosen (None: none measured);
+        a loss of every slice redoes at most `max_redo_steps` of the last."""
+        return self.snapshots[-1]["interval"] if self.snapshots else None
 
     @property
     def goodput(self) -> float:
@@ -55,6 +64,7 @@ class RunReport:
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["goodput"] = self.goodput
+        d["snapshot_interval"] = self.snapshot_interval
         return d
 
     def write(self, path: str) -> None:

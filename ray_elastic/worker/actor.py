@@ -177,23 +177,33 @@ class SliceWorker:
         controller may re-issue it."""
         return self._steps.reduce(keys, self._inputs(parts, epoch, step))
 
-    def apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0):
+    def apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0) -> dict:
         """Phase 2: apply the mean of all shard gradients, in shard order.
 
         `parts` are refs of phase-1 payloads or reduction-tree partial sums
         (fetched here: see `_inputs`); either way they are summed in the
         order of the shards they cover, so the result does not depend on
-        which slice computed which shard. Returns (metrics, snapshot or
-        None). The snapshot rides on the step's own reply, so a step is
-        never reported complete before its snapshot is sealed in the object
-        store: a failure at any moment finds the state of the last completed
-        step. Idempotent for a step already applied, so the controller can
+        which slice computed which shard. Returns the step's metrics.
+        `snapshot`: begin a snapshot of the new state, which the driver's
+        `snapshot` call then takes off the step's path (transfer.py).
+        Idempotent for a step already applied, so the controller can
         re-issue it.
         """
         parts = self._inputs(parts, epoch, step)
         with self._held.lock:
+            self._transfer.keep_begun()  # the apply donates the state a snapshot may not have viewed yet
             metrics = self._steps.apply(step, parts)
-            return metrics, (self.flat_state() if snapshot else None)
+            if snapshot:
+                self._transfer.begin_snapshot()
+            return metrics
+
+    def snapshot(self, step: int, *after: Any) -> tuple[dict, FlatState | HostBlocks]:
+        """(status, state): the snapshot of the state after step `step`
+        that its apply began, on the actor's `snapshot` thread, so the next
+        step's gradients compute meanwhile. `after`: the apply's reply, so
+        that Ray runs this once the apply is done. The driver issues it and
+        so owns the state's copy, which outlives this process on its node."""
+        return self._transfer.finish_snapshot(step + 1)
 
     def exchange_stats(self) -> dict:
         """Cross-slice exchange counters since start: applies, bytes of

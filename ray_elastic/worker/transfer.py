@@ -13,11 +13,24 @@ What leaves a host depends on the layout:
 
 Whole arrays (a replicated copy, a checkpoint) load into either layout:
 each device takes its block of them.
+
+A snapshot is taken in two halves, so that the step does not wait for it:
+`begin_snapshot` (in the apply, under the state's lock: it only keeps the
+new state's arrays, or dispatches the replicated ravel) and
+`finish_snapshot` (on the actor's snapshot thread: host views of those
+arrays, which Ray then copies into the object store while the next step's
+gradients compute). The next apply would donate the arrays to its update,
+so before it replaces the state it makes the views itself if the snapshot
+thread has not yet (`keep_begun`): XLA does not donate a buffer a view
+still reads (it copies it instead), so the views stay those of the
+snapshot's step.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+import time
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -27,7 +40,7 @@ from ray_elastic.worker.setup import CompiledStep, StateLayout
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
 
-__all__ = ["StateTransfer", "device_array"]
+__all__ = ["BegunSnapshot", "StateTransfer", "device_array"]
 
 
 def device_array(value: Any, sharding: Any):
@@ -39,6 +52,26 @@ def device_array(value: Any, sharding: Any):
     return jax.make_array_from_callback(value.shape, sharding, lambda idx: value[idx])
 
 
+class BegunSnapshot:
+    """A snapshot of one step's state, begun: the state's arrays (or the
+    replicated ravel of them, a fresh buffer), and once `views` has run,
+    host views of them."""
+
+    def __init__(self, step: int, arrays: Any, make_views: Callable[[Any], Any]):
+        self.step = step
+        self._arrays, self._make_views = arrays, make_views
+        self._views: Any = None
+        self._lock = threading.Lock()
+
+    def views(self) -> Any:
+        """The host views (made on the first call: it waits for the arrays
+        to be computed)."""
+        with self._lock:
+            if self._views is None:
+                self._views, self._arrays = self._make_views(self._arrays), None
+            return self._views
+
+
 class StateTransfer:
     """The held state of one host, out as snapshots and copies, and in
     from them."""
@@ -46,6 +79,52 @@ class StateTransfer:
     def __init__(self, layout: StateLayout, compiled: CompiledStep, held: HeldState, slice_id: int, host: int):
         self._layout, self._compiled, self._held = layout, compiled, held
         self._slice_id, self._host = slice_id, host
+        self._begun: Optional[BegunSnapshot] = None  # the newest snapshot begun, not yet finished
+
+    def begin_snapshot(self) -> None:
+        """Begin a snapshot of the held state (the caller holds the
+        state's lock); `finish_snapshot` ends it. Waits for nothing: the
+        state's update may still be computing."""
+        import jax
+
+        held = self._held
+        held.ensure()
+        if self._layout.sharded:
+            arrays = (jax.tree.leaves(held.params), jax.tree.leaves(held.opt_state))
+            make = lambda a: {**local_blocks(a[0], tag="p"), **local_blocks(a[1], tag="o")}  # noqa: E731
+        else:
+            arrays = self._compiled.flatten(held.params, held.opt_state)  # dispatched, a fresh buffer
+            make = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731
+        self._begun = BegunSnapshot(held.step, arrays, make)
+
+    def keep_begun(self) -> None:
+        """The held state is about to be replaced (by an apply donating
+        its arrays): make the begun snapshot's views now if they are not
+        made yet."""
+        begun = self._begun
+        if begun is not None:
+            begun.views()
+
+    def finish_snapshot(self, step: int) -> tuple[dict, FlatState | HostBlocks]:
+        """(status, state) of the snapshot begun of `step`'s state: the
+        host views, which Ray copies into the object store as this call
+        returns. status: step, bytes, and the seconds and CPU seconds of
+        this thread (the views, waiting for the update to be computed; the
+        copy into the object store comes after and is not in them)."""
+        begun, t0, c0 = self._begun, time.perf_counter(), time.thread_time()
+        if begun is None or begun.step != step:
+            raise RuntimeError(f"slice {self._slice_id} host {self._host}: no snapshot of step {step} was begun "
+                               f"(the newest is of step {None if begun is None else begun.step})")
+        views = begun.views()  # before letting go of it: an apply on the other thread would skip it
+        if self._begun is begun:
+            self._begun = None
+        if self._layout.sharded:
+            state, nbytes = HostBlocks(step, views, self._host), sum(v.nbytes for v in views.values())
+        else:
+            state, nbytes = FlatState(step, views), views.nbytes
+        status = {"step": step, "bytes": int(nbytes), "views_s": time.perf_counter() - t0,
+                  "views_cpu_s": time.thread_time() - c0}
+        return status, state
 
     def snapshot(self) -> FlatState | HostBlocks:
         """The state of the held step as it is kept in memory: one flat

@@ -38,10 +38,11 @@ losses = []
 for k in range(3):
     _, pa = a.compute_grads(k, (0,))
     _, pb = b.compute_grads(k, (1,))
-    ma, _ = a.apply(k, False, [pa, pb])
-    mb, snap_b = b.apply(k, True, [pb, pa])  # parts in another order: summed by shard all the same
+    ma = a.apply(k, False, [pa, pb])
+    mb = b.apply(k, True, [pb, pa])  # parts in another order: summed by shard all the same
+    _, snap_b = b.snapshot(k)  # the snapshot the apply began
     _, p1 = one.compute_grads(k, (0, 1))
-    m1, _ = one.apply(k, False, [p1])
+    m1 = one.apply(k, False, [p1])
     losses.append((ma["loss"], mb["loss"], m1["loss"]))
 state_a, state_one = a.state(), one.state()
 same = state_a.blocks.keys() == state_one.blocks.keys() and all(
@@ -55,7 +56,7 @@ except ValueError as e:
     refused = str(e)
 _, pf = fresh.compute_grads(3, (0, 1))
 _, po = one.compute_grads(3, (0, 1))
-loads_ok = fresh.apply(3, False, [pf])[0]["loss"] == one.apply(3, False, [po])[0]["loss"]
+loads_ok = fresh.apply(3, False, [pf])["loss"] == one.apply(3, False, [po])["loss"]
 shards = {}
 for path, leaf in jax.tree_util.tree_leaves_with_path(a.params):
     name = "/".join(getattr(p, "key", str(p)) for p in path)

@@ -1,0 +1,58 @@
+"""The snapshot interval on a real cluster: under the default
+(`snapshot_every_replicated="auto"`) snapshots are measured and spaced by
+the Young–Daly interval the report states, and a loss of every slice at
+once redoes no more steps than the report said it would, ending bitwise
+equal to a failure-free run. Snapshots are copied off the step's path.
+`all_slices_mtbf_s` is set short so the interval fits a short run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer, Fault
+from ray_elastic.control.snapshot_schedule import PROBE_STEP
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 40
+FAIL_AT = 32
+MTBF_S = 20.0  # interval sqrt(2 C M): a few steps of the small LM here
+
+
+def _run(factory, config, faults=()):
+    trainer = ElasticTrainer(factory, config, STEPS, faults=faults, keep_final_state=True)
+    return trainer, trainer.fit()
+
+
+def _same(a, b) -> None:
+    import jax
+
+    assert a["step"] == b["step"]
+    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_every_slice_lost_redoes_at_most_the_stated_steps(nodes, lm_factory):
+    nodes(2)
+    config = ElasticConfig(num_slices=2, policy="pause", all_slices_mtbf_s=MTBF_S)
+    assert config.snapshot_every_replicated == "auto"
+    ref, ref_report = _run(lm_factory, config)
+    snaps = ref_report.snapshots
+    assert snaps, "no snapshot measured"
+    assert snaps[0]["step"] == PROBE_STEP
+    for s in snaps:
+        assert s["bytes_per_host"] > 0 and s["seal_s"] >= 0 and s["interval"] >= 1
+        assert s["max_redo_steps"] == s["interval"] + s["steps_overlapped"]
+    # Each snapshot after the probe comes the interval chosen after the one before it.
+    for before, after in zip(snaps, snaps[1:]):
+        assert after["step"] - before["step"] == before["interval"]
+    assert ref_report.snapshot_interval == snaps[-1]["interval"]
+
+    trainer, report = _run(lm_factory, config, faults=(Fault("kill", 0, FAIL_AT), Fault("kill", 1, FAIL_AT)))
+    assert report.steps_completed == STEPS
+    stated = [s for s in report.snapshots if s["step"] <= FAIL_AT][-1]["max_redo_steps"]
+    assert [f.restored_from for f in report.failures][-1] == "snapshot"
+    redone = max(f.steps_rewound for f in report.failures)
+    assert 1 <= redone <= stated, (redone, stated)
+    _same(trainer.final_state, ref.final_state)

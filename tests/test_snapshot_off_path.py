@@ -1,0 +1,28 @@
+"""Snapshots taken off the step's path, in one process (no Ray): the
+snapshot an apply begins is finished after later steps have donated the
+state's arrays to their updates, and still holds the state of its own step,
+bitwise, under the replicated and the FSDP layout.
+tests/test_snapshot_interval_e2e.py runs snapshots on a real cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "snapshot_race_driver.py")
+
+
+@pytest.mark.parametrize("layout", ["replicated", "fsdp"])
+def test_a_late_snapshot_holds_its_own_step(layout):
+    out = subprocess.run([sys.executable, DRIVER, layout], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    f = json.loads(out.stdout.strip().splitlines()[-1])
+    assert f["late_step"] == 2
+    assert f["late_equal"], "the snapshot finished late differs from the state of its step"
+    assert f["moved_on"], "the state did not change in two steps: the check could not fail"
+    assert f["status"]["step"] == 2 and f["status"]["bytes"] == f["nbytes"] > 0
+    assert "no snapshot of step 2 was begun" in f["refused"]
