@@ -1,11 +1,16 @@
-"""Node-loss detection on Ray's default health-check settings and on the
-tuned ones the shipped cluster configs set, side by side.
+"""Detection of lost and hung hosts on Ray's default health-check settings
+and on the tuned ones the shipped cluster configs set, side by side, with
+ray_elastic's own settings at their defaults (the step deadline's 10 s
+floor, heartbeats after 1 s).
 
 Each run gets its own local cluster (health checks are head settings):
-2 slices under resize, one node removed (raylet and processes killed) or
-frozen (raylet and processes SIGSTOPped) at step 10. Figures per setting:
-the kind reported, detection (fault -> exception in the driver) and fault
--> next completed step, medians over the runs.
+2 slices under resize, at step 10 one node removed (raylet and processes
+killed) or frozen (raylet and processes SIGSTOPped), one worker stopped
+(SIGSTOP), or one slice slowed by 3 s a step (a `slow` fault: well over
+20x the median step, and no hang). Figures per setting: the kind
+reported, detection (fault -> exception in the driver) and fault -> next
+completed step, medians over the runs; for `slow`, the failures seen (none
+is right) and the slowest step against the median before the fault.
 
     python -m bench detect [--runs N]
 """
@@ -17,7 +22,10 @@ import os
 from bench.common import ROOT, lm_factory, summary
 
 SETTINGS = ("default", "tuned")
-FAULTS = ("remove_node", "freeze_node")
+FAULTS = ("remove_node", "freeze_node", "stop", "slow")
+# The worker-level faults do not depend on the nodes' health checks.
+SETTINGS_OF = {"stop": ("default",), "slow": ("default",)}
+SLOW_MS = 3000
 
 
 def one_run(health_checks: str, fault: str, steps: int = 30, fail_at: int = 10) -> dict:
@@ -29,17 +37,22 @@ def one_run(health_checks: str, fault: str, steps: int = 30, fail_at: int = 10) 
         cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
         trainer = ElasticTrainer(
             lm_factory(),
-            ElasticConfig(num_slices=2, policy="resize", min_slices=1, step_deadline_floor_s=2.0),
-            steps,
-            faults=(Fault(fault, 1, fail_at),),
+            ElasticConfig(num_slices=2, policy="resize", min_slices=1),
+            steps if fault != "slow" else fail_at + 6,
+            faults=(Fault(fault, 1, fail_at, ms=SLOW_MS if fault == "slow" else 0),),
             remove_node=cluster.remove_node,
             freeze_node=cluster.freeze_node,
         )
         report = trainer.fit()
     finally:
         cluster.shutdown()
+    if fault == "slow":  # right: no failure, the slow steps waited for
+        before = sorted(report.step_times[2:fail_at])[len(report.step_times[2:fail_at]) // 2]
+        return {"setting": health_checks, "fault": fault, "kind": report.failures[0].kind if report.failures else "none",
+                "failures": len(report.failures), "median_before_s": before,
+                "slowest_after_s": max(report.step_times[fail_at:]), "detected_s": None, "recovered_s": None}
     f = report.failures[0]  # the injected fault; any later ones are listed
-    return {"setting": health_checks, "fault": fault, "kind": f.kind,
+    return {"setting": health_checks, "fault": fault, "kind": f.kind, "cause": f.cause[:160],
             "detected_s": f.detected_s, "recovered_s": f.recovered_s,
             "later_failures": [(g.kind, g.slice, g.step, g.cause[:120]) for g in report.failures[1:]]}
 
@@ -48,19 +61,25 @@ def run(runs: int = 3) -> dict:
     rows = []
     for r in range(runs):
         for fault in FAULTS:
-            for setting in SETTINGS:  # alternated, so load hits both alike
+            for setting in SETTINGS_OF.get(fault, SETTINGS):  # alternated, so load hits both alike
                 row = one_run(setting, fault)
-                print(f"run {r + 1}/{runs} {fault:12s} {setting:8s} {row['kind']:10s} "
-                      f"detected {row['detected_s']:.3f} s, next step {row['recovered_s']:.3f} s", flush=True)
+                if fault == "slow":
+                    print(f"run {r + 1}/{runs} {fault:12s} {setting:8s} failures {row['failures']}, slowest step "
+                          f"{row['slowest_after_s']:.3f} s against a median of {row['median_before_s']:.3f} s", flush=True)
+                else:
+                    print(f"run {r + 1}/{runs} {fault:12s} {setting:8s} {row['kind']:10s} "
+                          f"detected {row['detected_s']:.3f} s, next step {row['recovered_s']:.3f} s", flush=True)
                 rows.append(row)
     cells = {}
     for fault in FAULTS:
-        for setting in SETTINGS:
+        for setting in SETTINGS_OF.get(fault, SETTINGS):
             mine = [x for x in rows if x["fault"] == fault and x["setting"] == setting]
             cells[f"{fault}/{setting}"] = {
                 "kinds": sorted({x["kind"] for x in mine}),
                 "detected_s": summary([x["detected_s"] for x in mine]),
                 "recovered_s": summary([x["recovered_s"] for x in mine]),
+                **({"slowest_over_median": summary([x["slowest_after_s"] / x["median_before_s"] for x in mine])}
+                   if fault == "slow" else {}),
             }
     return {"runs": rows, "cells": cells}
 
@@ -71,6 +90,11 @@ def table(result: dict) -> str:
     for key, c in result["cells"].items():
         fault, setting = key.split("/")
         d, r = c["detected_s"], c["recovered_s"]
+        if fault == "slow":
+            x = c["slowest_over_median"]
+            lines.append(f"| slow (+{SLOW_MS} ms a step) | {setting} | {', '.join(c['kinds'])} | no hang: slowest step "
+                         f"{x['median']:.0f}x the median [{x['min']:.0f}-{x['max']:.0f}] | n/a |")
+            continue
         lines.append(f"| {fault} | {setting} | {', '.join(c['kinds'])} | "
                      f"{d['median']:.3f} s [{d['min']:.3f}-{d['max']:.3f}] | "
                      f"{r['median']:.3f} s [{r['min']:.3f}-{r['max']:.3f}] |")

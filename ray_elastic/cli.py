@@ -2,7 +2,7 @@
 
     ray-elastic [--debug] demo [--policy resize|pause] [--slices N] [--steps N]
                      [--model small|medium|large] [--sharding replicated|fsdp|fsdp_tp]
-                     [--fail-at STEP] [--fault remove_node|kill|stop]
+                     [--fail-at STEP] [--fault remove_node|kill|stop|slow]
                      [--report FILE] [--events FILE] ...
     ray-elastic timeline EVENTS.jsonl [-o OUT.png]
     ray-elastic timeline --report REPORT.json [-o OUT.png]
@@ -92,7 +92,8 @@ def _demo(args: argparse.Namespace) -> int:
     spec = CpuSlice(hosts=args.hosts_per_slice, devices_per_host=args.devices_per_host)
     config = elastic_config(args, spec)
     fail_at = args.steps // 4 if args.fail_at is None else args.fail_at
-    faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at),)
+    ms = args.slow_ms if args.fault == "slow" else 0
+    faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at, ms=ms),)
     check_faults(faults, config.num_slices, spec.hosts)
     # The example model ships in the package (pyproject.toml maps examples/
     # to ray_elastic.examples), so workers import it like any installed code.
@@ -355,9 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     opt = demo.add_argument
     opt("--fail-at", type=int, default=None, help="step of the fault; -1: no fault (default: steps/4)")
     opt("--fail-slice", type=int, default=1, help="slice the fault hits (default: %(default)s)")
-    opt("--fault", choices=("remove_node", "kill", "stop"), default="remove_node",
+    opt("--fault", choices=("remove_node", "kill", "stop", "slow"), default="remove_node",
         help="remove_node: the node and its processes go; kill: SIGKILL a worker; "
-        "stop: SIGSTOP a worker, a hang (default: %(default)s)")
+        "stop: SIGSTOP a worker, a hang; slow: the slice takes --slow-ms longer per step from then on, "
+        "alive and answering (default: %(default)s)")
+    opt("--slow-ms", type=int, default=1000, help="with --fault slow: milliseconds added per step (default: %(default)s)")
     add_debug_option(demo, default=argparse.SUPPRESS)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoint steps, committed or not")
     ck.add_argument("path", help="checkpoint.path: a folder or gs://bucket/prefix")

@@ -187,6 +187,12 @@ class ElasticConfig:
         than max(floor, factor * median step time) marks its slice hung.
     first_step_deadline_s: the same for the first step after a (re)start,
         which includes the XLA compile.
+    heartbeat_timeout_s: while a step runs, every host of a slice still
+        computing is pinged on a thread of its own (a healthy worker answers
+        however long its step); one that leaves a ping unanswered this long
+        is hung (a stopped process, a frozen node), found in about this
+        long instead of at the step deadline (failures/heartbeats.py).
+        0 turns heartbeats off.
     spare_slices: standby slices reserved, started and compiled ahead of
         time (they hold no training state): on a failure a spare takes the
         failed slice's place at the next step boundary, and the failed
@@ -230,6 +236,7 @@ class ElasticConfig:
     batch_on_resize: str = "accumulate"
     step_deadline_floor_s: float = 10.0
     step_deadline_factor: float = 10.0
+    heartbeat_timeout_s: float = 1.0
     first_step_deadline_s: float = 120.0
     compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
     seed: int = 0
@@ -312,6 +319,9 @@ class ElasticConfig:
         for name in ("step_deadline_floor_s", "step_deadline_factor", "first_step_deadline_s"):
             if not _number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
+        if not _number(self.heartbeat_timeout_s) or self.heartbeat_timeout_s < 0:
+            raise ConfigError("heartbeat_timeout_s", f"must be >= 0 seconds (0 turns heartbeats off), "
+                              f"got {self.heartbeat_timeout_s!r}")
 
     @property
     def shards(self) -> int:

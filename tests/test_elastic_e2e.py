@@ -123,10 +123,13 @@ def test_pause_node_removed_waits_for_replacement(nodes, lm_factory, baseline):
 
 @pytest.mark.slow  # a variant of a default-run test (README: Tests)
 def test_pause_worker_hung(nodes, lm_factory, baseline):
+    """Heartbeats off: the hang is found at the step deadline."""
     nodes(2)
-    trainer, report = _run(lm_factory, _config(policy="pause", step_deadline_floor_s=HUNG_FLOOR_S), faults=(Fault("stop", 1, FAIL_AT),))
+    config = _config(policy="pause", step_deadline_floor_s=HUNG_FLOOR_S, heartbeat_timeout_s=0)
+    trainer, report = _run(lm_factory, config, faults=(Fault("stop", 1, FAIL_AT),))
     f = _common_checks(report, "hung")
     assert f.detected_s >= 2.0  # not before the step deadline's floor
+    assert "step deadline" in f.cause, f.cause
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
@@ -226,10 +229,29 @@ def test_resize_node_removed_then_replacement_joins(nodes, lm_factory, baseline)
 
 
 def test_resize_worker_hung(nodes, lm_factory, baseline):
+    """On the default step deadline (a 10 s floor): the SIGSTOPped worker
+    stops answering its heartbeats and is found by them, long before."""
     nodes(2)
-    trainer, report = _run(lm_factory, _config(policy="resize", step_deadline_floor_s=HUNG_FLOOR_S), faults=(Fault("stop", 1, FAIL_AT),))
+    config = _config(policy="resize")
+    trainer, report = _run(lm_factory, config, faults=(Fault("stop", 1, FAIL_AT),))
     f = _common_checks(report, "hung")
+    assert "no heartbeat" in f.cause and "node" in f.cause and "answers" in f.cause, f.cause
+    assert f.detected_s < config.step_deadline_floor_s
     assert f.slices_after == 1
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
+def test_a_slow_slice_is_not_a_hang(nodes, lm_factory, baseline):
+    """A slice slowed to well over 20x the median step (a `slow` fault: it
+    still answers its heartbeats) is waited for: no failure, the same
+    math."""
+    nodes(2)
+    at = STEPS - 4  # the last steps slowed: the median is of the steps before
+    trainer, report = _run(lm_factory, _config(policy="resize"), faults=(Fault("slow", 1, at, ms=4000),))
+    assert report.steps_completed == STEPS and not report.failures, report.failures
+    median = sorted(report.step_times[2:at])[len(report.step_times[2:at]) // 2]
+    assert min(report.step_times[at + 1:]) > 20 * median, (median, report.step_times)
+    assert any(e["event"] == "fault" and e["kind"] == "slow" for e in report.events)
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 

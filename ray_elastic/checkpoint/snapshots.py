@@ -176,15 +176,16 @@ class SnapshotStore:
         self._pinned_value = None
 
     def wait_sealed(self, timeout: float) -> float:
-        """Wait (up to `timeout`) for the snapshots being copied to seal;
-        the seconds waited."""
+        """Wait (up to `timeout`) for the newest snapshot being copied to
+        seal (not an older one, which may wait on a frozen node); the
+        seconds waited."""
         t0 = self._clock()
-        for p in list(self._pending):
-            if p.sealing is not None:
-                try:
-                    p.sealing.result(timeout=timeout)
-                except Exception:
-                    pass
+        sealing = [p for p in self._pending if p.sealing is not None]
+        if sealing:
+            try:
+                sealing[-1].sealing.result(timeout=timeout)
+            except Exception:  # failed or late: the previous snapshot stays the newest
+                pass
         self._promote()
         return self._clock() - t0
 

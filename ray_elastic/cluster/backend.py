@@ -78,6 +78,9 @@ class SliceBackend(Protocol):
 
     def node_alive(self, node_id: str) -> bool: ...
 
+    def slow_down(self, slice_id: int, host: int, ms: int) -> None:
+        """Make the host take `ms` longer per gradient call (a `slow` fault)."""
+
     def retire(self, slice_id: int) -> None:
         """Tear the slice's workers down (its placement group stays)."""
 

@@ -39,14 +39,16 @@ class RayBackend:
         self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
         compile_cache_dir: str = "", provisioner: Optional[type] = None,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-        warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0,
+        warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
     ):
         cls = provisioner or RaySlices
         self._slices: SliceProvisioner = cls(
             spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
             warm_workers=warm_workers,
         )
-        self.locator = FailureLocator(RayProbe(), clock, sleep)
+        probe = RayProbe()
+        beats = probe.heartbeats(clock, heartbeat_timeout_s) if heartbeat_timeout_s > 0 else None
+        self.locator = FailureLocator(probe, clock, sleep, heartbeats=beats)
         self.runner = StepRunner(self.locator, clock)
         # With group leaders: the shard ranges the slices' groups compute
         # (assign_shards), and the runner that calls the leaders.
@@ -117,6 +119,10 @@ class RayBackend:
 
     def node_alive(self, node_id: str) -> bool:
         return self.locator.probe.node_alive(node_id)
+
+    def slow_down(self, slice_id: int, host: int, ms: int) -> None:
+        worker = self._up[slice_id].workers[host]
+        ray.get(worker.slow_down.options(concurrency_group="control").remote(ms), timeout=30.0)
 
     # -- steps and state --------------------------------------------------
 

@@ -135,6 +135,7 @@ class Controller:
             if self._ckpt:
                 self._ckpt.start_writer()
             backend = self._backend or self._ray_backend()
+            self._injector.slow_down = getattr(backend, "slow_down", None)
             self._snapshots = SnapshotStore(fetch=backend.fetch)
             self.members = Membership(
                 backend, self._snapshots, self._event, checkpoints=self._ckpt,
@@ -232,7 +233,8 @@ class Controller:
         return RayBackend(
             c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
-            warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices)
+            warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
+            heartbeat_timeout_s=c.heartbeat_timeout_s)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}

@@ -463,11 +463,10 @@ class StepRunner:
             done, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, NODE_PROBE_S))
             if self.aborted():
                 raise StepAborted(k)
-            if not done:
-                lost = self.locator.lost_host(live)
+            if not done:  # a lost node, or a host that stopped answering its heartbeats
+                lost = self.locator.watch(live, {c.slice_id for c in pending.values()}, k)
                 if lost is not None:
-                    s, h = lost
-                    raise failure(FailureKind.NODE_DIED, s, h, k, "the node's raylet stopped taking connections")
+                    raise lost
                 continue
             if len(refs) > 1:
                 # Then everything else that finishes within the poll, in

@@ -19,7 +19,7 @@ from ray_elastic.errors import ConfigError
 
 __all__ = ["Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PHASES", "check_faults"]
 
-FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node")
+FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node", "slow")
 # The moments of a step a fault can hit: once its gradient calls are in
 # flight; once every gradient is in, before the reduction tree is gathered;
 # once the sum is made, as the applies are issued (StepRunner.run). With
@@ -35,6 +35,8 @@ class Fault:
     term: SIGTERM the worker (a preemption notice to the process).
     freeze_node: stop the node's raylet and every process on it (alive but
     unreachable: a frozen machine, or one whose network dropped).
+    slow: the worker takes `ms` milliseconds longer over each gradient call
+    from then on (a straggler: alive and answering, only slow).
     `phase`: the moment of the step it fires at (FAULT_PHASES).
     """
 
@@ -43,6 +45,7 @@ class Fault:
     step: int
     host: int = 0
     phase: str = "grads"
+    ms: int = 0
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
@@ -51,19 +54,24 @@ class Fault:
             raise ConfigError("faults", "fault slice, step and host must be >= 0")
         if self.phase not in FAULT_PHASES:
             raise ConfigError("faults", f"fault phase {self.phase!r}: use one of {FAULT_PHASES}")
+        if (self.kind == "slow") != (self.ms > 0):
+            raise ConfigError("faults", f"fault {self.kind!r}: ms (milliseconds added per step) must be > 0 for "
+                              f"'slow' and is for 'slow' only, got {self.ms}")
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
-        """'KIND:SLICE:STEP[:HOST[:PHASE]]', e.g. 'kill:1:20' or 'remove_node:1:20:0:apply'."""
+        """'KIND:SLICE:STEP[:HOST[:PHASE[:MS]]]', e.g. 'kill:1:20', 'remove_node:1:20:0:apply'
+        or 'slow:1:20:0:grads:500'."""
         parts = text.split(":")
-        if len(parts) not in (3, 4, 5):
-            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST[:PHASE]]")
+        if len(parts) not in (3, 4, 5, 6):
+            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST[:PHASE[:MS]]]")
         kind, *nums = parts[:4]
         try:
             values = [int(n) for n in nums]
+            ms = [int(parts[5])] if len(parts) == 6 else []
         except ValueError:
-            raise ConfigError("faults", f"fault {text!r}: SLICE, STEP and HOST must be integers") from None
-        return cls(kind, *values, *parts[4:])
+            raise ConfigError("faults", f"fault {text!r}: SLICE, STEP, HOST and MS must be integers") from None
+        return cls(kind, *values, *parts[4:5], *ms)
 
 
 def check_faults(faults, num_slices: int, hosts_per_slice: int) -> None:
@@ -103,6 +111,8 @@ class FaultInjector:
         self._clock = clock
         self.fired: list[Fired] = []
         self._node_actions = {"remove_node": remove_node, "freeze_node": freeze_node}
+        # (slice, host, ms) -> None: slows a worker down (the backend's, set once it exists).
+        self.slow_down: Optional[Callable[[int, int, int], None]] = None
         for kind, action in self._node_actions.items():
             if action is None and any(f.kind == kind for f in faults):
                 raise ConfigError("faults", f"a {kind} fault needs a cluster that can do it ({kind}=...)")
@@ -125,6 +135,10 @@ class FaultInjector:
                 os.kill(info["pid"], signal.SIGSTOP)
             elif f.kind == "term":
                 os.kill(info["pid"], signal.SIGTERM)
+            elif f.kind == "slow":
+                if self.slow_down is None:
+                    raise ConfigError("faults", "a slow fault needs a backend that can slow a worker down")
+                self.slow_down(f.slice_id, f.host, f.ms)
             else:
                 self._node_actions[f.kind](info["node_id"])
             self.pending.remove(f)  # only once it has really fired

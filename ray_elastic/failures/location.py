@@ -16,12 +16,13 @@ passed in, so the logic is tested without a cluster.
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Iterable, Mapping, Optional, Protocol
 
 import ray
 from ray import exceptions as rex
 
 from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
+from ray_elastic.failures.heartbeats import Heartbeats
 from ray_elastic.failures.internal import InputsAborted, InputsLost
 
 __all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "ping_ref", "runtime_error",
@@ -103,6 +104,13 @@ class RayProbe:
     def ping(self, worker: Any, timeout_s: float) -> None:
         ray.get(ping_ref(worker), timeout=timeout_s)
 
+    def heartbeats(self, clock: Callable[[], float], timeout_s: float) -> Heartbeats:
+        """Heartbeats over Ray's calls: a ping sent, the refs answered."""
+        def answered(refs: list) -> list:
+            return ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]
+
+        return Heartbeats(ping_ref, answered, clock, timeout_s=timeout_s)
+
 
 def runtime_error(exc: BaseException) -> bool:
     """A worker call that raised JAX's runtime error (an XLA computation,
@@ -134,11 +142,13 @@ class FailureLocator:
         clock: Callable[[], float],
         sleep: Callable[[float], None],
         confirm_s: float = 5.0,
+        heartbeats: Optional[Heartbeats] = None,
     ):
         self.probe = probe
         self._clock = clock
         self._sleep = sleep
         self._confirm_s = confirm_s
+        self.heartbeats = heartbeats  # None: hangs are found at the step's deadline only
 
     def node_lost(self, node_id: str) -> bool:
         """The node is gone: Ray says so, or its raylet no longer takes
@@ -225,6 +235,21 @@ class FailureLocator:
                 return where
         return None
 
+    def watch(self, live: Mapping, waiting: Iterable[int], step: int) -> Optional[SliceFailure]:
+        """While a step's calls are out: a host on a node whose raylet
+        refuses connections (`lost_host`), else one of the `waiting`
+        slices that stopped answering its heartbeats (heartbeats.py)."""
+        lost = self.lost_host(live)
+        if lost is not None:
+            s, h = lost
+            return failure(FailureKind.NODE_DIED, s, h, step, "the node's raylet stopped taking connections")
+        quiet = self.heartbeats.quiet(live, waiting) if self.heartbeats is not None else None
+        if quiet is None:
+            return None
+        s, h, silent_s = quiet
+        self.heartbeats.forget(s)
+        return self._quiet_failure(s, h, live, step, f"no heartbeat for {silent_s:.1f} s")
+
     def blame(self, s: int, kind: FailureKind, live: Mapping) -> int:
         """The slice to blame for a failed call: one that lost a node, if
         any (its peers' calls fail too when they fetch from it)."""
@@ -255,20 +280,21 @@ class FailureLocator:
                 if kind is not TRANSIENT:
                     return failure(kind, s, h, step, short(e))
         if quiet is not None:
-            s, h = quiet
-            node = live[s].infos[h]["node_id"]
-            silent = self._node_silent(node)
-            # The slice's placement group holds a bundle on that node until
-            # Ray declares it dead (minutes on Ray's defaults): its
-            # replacement needs a new group (controller).
-            return failure(
-                FailureKind.HUNG, s, h, step,
-                f"no answer within the step deadline ({deadline_s:.1f} s); node {node[:8]} "
-                + ("does not answer either (frozen or cut off)" if silent else "answers"),
-                node_silent=silent,
-            )
+            return self._quiet_failure(*quiet, live, step, f"no answer within the step deadline ({deadline_s:.1f} s)")
         s, h = min(candidates)
         return failure(FailureKind.HUNG, s, h, step, f"step did not finish within {deadline_s:.1f} s")
+
+    def _quiet_failure(self, s: int, h: int, live: Mapping, step: int, why: str) -> SliceFailure:
+        node = live[s].infos[h]["node_id"]
+        silent = self._node_silent(node)
+        # The slice's placement group holds a bundle on that node until
+        # Ray declares it dead (minutes on Ray's defaults): its
+        # replacement needs a new group (controller).
+        return failure(
+            FailureKind.HUNG, s, h, step,
+            f"{why}; node {node[:8]} " + ("does not answer either (frozen or cut off)" if silent else "answers"),
+            node_silent=silent,
+        )
 
     def _node_silent(self, node_id: str) -> bool:
         return self.node_lost(node_id) or not self.probe.raylet_answers(node_id)

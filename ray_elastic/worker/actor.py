@@ -265,3 +265,8 @@ class SliceWorker:
 
     def ping(self) -> bool:
         return True
+
+    def slow_down(self, ms: int) -> None:
+        """A `slow` fault (failures/faults.py): every gradient call from now
+        on takes `ms` milliseconds longer, as on a straggling host."""
+        self._steps.delay_s = ms / 1000.0

@@ -15,6 +15,7 @@ so the state does not depend on which slice computed which shard.
 from __future__ import annotations
 
 import math
+import time
 from typing import Optional
 
 import numpy as np
@@ -53,6 +54,7 @@ class SliceSteps:
         self._state_reduction = layout.program.model_state_reduction
         self._state_op = "max" if self._state_reduction == "max" else "sum"
         self._batches = BatchReader(layout.program, seed, num_shards, compiled.rows, compiled.eval_rows)
+        self.delay_s = 0.0  # added to every gradient call: a `slow` fault (SliceWorker.slow_down)
 
     def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
         """(status, payload) of the gradients of `shards` at the held
@@ -67,6 +69,8 @@ class SliceSteps:
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for {step}")
         held.ensure()
+        if self.delay_s:
+            time.sleep(self.delay_s)
         speaks = layout.sharded or self._host == 0
         out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}}
         at_step = device_array(np.int32(step), layout.replicated)

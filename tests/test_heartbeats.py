@@ -1,0 +1,118 @@
+"""Heartbeats (failures/heartbeats.py) as pure logic: pings sent only while
+a slice waits, at most one in flight per host, a host whose ping goes
+unanswered for the timeout named hung, and none named while every ping is
+answered, however long the step. Plus the `slow` fault's parsing. The real
+thing (a SIGSTOPped worker, a frozen node, a slowed slice) runs on a
+cluster in tests/test_heartbeats_e2e.py."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from ray_elastic.errors import ConfigError
+from ray_elastic.failures.faults import Fault
+from ray_elastic.failures.heartbeats import Heartbeats
+
+
+class _Clock:
+    t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+class _Pings:
+    """Sent pings are refs ("ping", worker, n); a worker in `silent` never answers."""
+
+    def __init__(self):
+        self.sent, self.silent = [], set()
+
+    def send(self, worker):
+        self.sent.append(worker)
+        return ("ping", worker, len(self.sent))
+
+    def answered(self, refs):
+        return [r for r in refs if r[1] not in self.silent]
+
+
+def _live(n_slices=2, hosts=2):
+    return {s: types.SimpleNamespace(workers=[f"w{s}.{h}" for h in range(hosts)]) for s in range(n_slices)}
+
+
+def _beats(timeout_s=1.0):
+    clock, pings = _Clock(), _Pings()
+    return Heartbeats(pings.send, pings.answered, clock, timeout_s=timeout_s, every_s=0.25), clock, pings
+
+
+def test_no_ping_for_a_short_wait_and_only_to_waiting_slices():
+    beats, clock, pings = _beats()
+    live = _live()
+    assert beats.quiet(live, {1}) is None and pings.sent == []  # just started waiting
+    clock.t = 0.3
+    assert beats.quiet(live, {1}) is None
+    assert pings.sent == ["w1.0", "w1.1"]  # every host of the waiting slice, none of the other
+
+
+def test_one_ping_in_flight_per_host_and_one_per_interval():
+    beats, clock, pings = _beats()
+    live = _live(1, 1)
+    beats.quiet(live, {0})
+    for t in (0.3, 0.31, 0.4):  # answered at 0.31: the next one is due 0.25 s later
+        clock.t = t
+        beats.quiet(live, {0})
+    assert len(pings.sent) == 1
+    clock.t = 0.6
+    beats.quiet(live, {0})
+    assert len(pings.sent) == 2
+
+
+def test_a_host_that_stops_answering_is_named_after_the_timeout():
+    beats, clock, pings = _beats(timeout_s=1.0)
+    live = _live()
+    beats.quiet(live, {0, 1})
+    pings.silent.add("w1.1")  # SIGSTOPped
+    found = None
+    while found is None and clock.t < 5:
+        clock.t = round(clock.t + 0.25, 2)
+        found = beats.quiet(live, {0, 1})
+    s, h, silent_s = found
+    assert (s, h) == (1, 1) and silent_s >= 1.0
+    assert clock.t <= 1.5  # first ping at 0.25, unanswered for 1 s: found at 1.25 s
+    beats.forget(1)
+    clock.t += 0.25
+    assert beats.quiet(live, {0}) is None  # the others still answer
+
+
+def test_a_long_step_whose_hosts_answer_is_never_hung():
+    beats, clock, pings = _beats(timeout_s=1.0)
+    live = _live()
+    for i in range(400):  # 100 s of waiting: 20x and more a slow step
+        clock.t = i * 0.25
+        assert beats.quiet(live, {0, 1}) is None
+    assert len(pings.sent) > 100
+
+
+def test_a_replacement_worker_starts_afresh():
+    beats, clock, pings = _beats(timeout_s=1.0)
+    live = _live(1, 1)
+    beats.quiet(live, {0})
+    pings.silent.add("w0.0")
+    clock.t = 0.3
+    beats.quiet(live, {0})  # a ping to the old worker, never answered
+    live[0].workers = ["new0.0"]
+    clock.t = 1.5
+    assert beats.quiet(live, {0}) is None  # the new handle is not blamed for the old one's ping
+
+
+def test_slow_fault_parses_and_needs_its_milliseconds():
+    f = Fault.parse("slow:1:20:0:grads:500")
+    assert (f.kind, f.slice_id, f.step, f.host, f.phase, f.ms) == ("slow", 1, 20, 0, "grads", 500)
+    assert Fault.parse("kill:1:20").ms == 0
+    with pytest.raises(ConfigError, match="ms"):
+        Fault("slow", 1, 20)
+    with pytest.raises(ConfigError, match="ms"):
+        Fault("kill", 1, 20, ms=100)
+    with pytest.raises(ConfigError, match="MS must be integers"):
+        Fault.parse("slow:1:20:0:grads:fast")
