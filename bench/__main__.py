@@ -11,7 +11,8 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - scale: the real controller against 16..1024 simulated slices (`--step-s 1`:
   pipelined dispatch; `--floor`: the driver's calls alone, no controller);
 - detect: node removal and a frozen node on Ray's default health checks
-  and on the tuned ones, side by side;
+  and on the tuned ones, side by side, and a stopped worker and a slowed
+  slice (heartbeats: found, or rightly not), on ray_elastic's defaults;
 - soak: a long chaos run per policy (six fault kinds, one every 20-60 s) on
   Ray's default health checks with checkpoints on a GCS-compatible server,
   then a failure-free reference: every failure recovered, final state

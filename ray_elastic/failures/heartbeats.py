@@ -7,12 +7,13 @@ workers answer pings on a thread of their own (the `control` concurrency
 group), beside their step's calls, and XLA releases the GIL while it
 computes, so a worker busy with a long step still answers at once; a
 SIGSTOPped process, or every process of a frozen node, does not answer at
-all. While the driver waits for a step's calls, every host of a slice with
-a call still out is pinged, at most one ping in flight per host and one
-every `every_s`; a ping unanswered for `timeout_s` names the host hung.
+all. While the driver waits for a step's calls (it asks here once a wait
+of 0.25 s has brought nothing), every host of a slice with a call still
+out is pinged, at most one ping in flight per host and one every
+`every_s`; a ping unanswered for `timeout_s` names the host hung.
 
 The cost: one small actor call per waiting host per `every_s` (0.25 s),
-only while the driver waits. An errored ping is left to the call it
+only while the driver waits, none for a step shorter than a wait. An errored ping is left to the call it
 shadows (a dead worker's calls fail on their own, and are sorted there).
 
 Ray sits behind two callables (send a ping, which of these refs answered)
@@ -61,8 +62,8 @@ class Heartbeats:
         for s in waiting:
             for i, worker in enumerate(live[s].workers):
                 h = self._hosts.get((s, i))
-                if h is None or h.worker is not worker:
-                    h = self._hosts[(s, i)] = _Host(worker, answered_at=now)
+                if h is None or h.worker is not worker:  # pinged at once: the driver has waited a poll already
+                    h = self._hosts[(s, i)] = _Host(worker, answered_at=now - self.every_s)
                 if h.ref is not None:
                     if now - h.sent_at >= self.timeout_s:
                         return s, i, now - h.sent_at

@@ -29,6 +29,10 @@ __all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_no
            "short"]
 
 TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
+# How long a raylet has to complete a handshake before its node counts as
+# silent (frozen or cut off): a hung host's replacement then gets a new
+# placement group, the one cost of a wrong guess.
+HANDSHAKE_S = 0.2
 
 
 class Probe(Protocol):
@@ -93,8 +97,8 @@ class RayProbe:
         if address is None:
             return False
         channel = grpc.insecure_channel(f"{address[0]}:{address[1]}")
-        try:  # the HTTP/2 handshake needs the raylet process itself
-            grpc.channel_ready_future(channel).result(timeout=self._connect_timeout_s)
+        try:  # the HTTP/2 handshake needs the raylet process itself (milliseconds when it runs)
+            grpc.channel_ready_future(channel).result(timeout=HANDSHAKE_S)
             return True
         except grpc.FutureTimeoutError:
             return False
