@@ -34,7 +34,7 @@ def test_fixed_interval_with_two_slices_and_every_one_with_one():
     s = SnapshotSchedule(every_one=3, every_replicated=4, mtbf_s=3600.0)
     assert [k for k in range(1, 13) if s.due(k, 2)] == [4, 8, 12]
     assert [k for k in range(1, 13) if s.due(k, 1)] == [3, 6, 9, 12]
-    assert s.interval() == 4
+    assert s.interval() == s.gap() == 4
 
 
 @pytest.mark.parametrize("replicated", [4, "auto"])
@@ -90,6 +90,9 @@ def test_nothing_is_due_while_one_is_measured_even_past_the_interval():
     s = SnapshotSchedule(1, "auto", mtbf_s=1.0)
     probe(s)
     assert s.interval() == 1  # sqrt(2 * 0.7 * 1) = 1.18 steps
+    # The probe overlapped two steps: the next comes two steps after it, the
+    # gap the event reports, not Young-Daly's one.
+    assert s.gap() == 2 and not s.due(6, 2)
     assert s.due(7, 2)
     s.taken(7)
     assert s.step_done(7, 1.0, True) is None

@@ -21,6 +21,10 @@ of a snapshot not yet sealed when it struck.
 Until a snapshot has been measured, the first is taken at `PROBE_STEP`
 steps past the start (after the compile-heavy first steps, with a median
 to measure against).
+
+A snapshot is measured until the first step after its seal, and the next
+is not taken before: the steps between snapshots are the interval or, if
+sealing took longer, the steps the last one overlapped (`gap()`).
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class SnapshotSchedule:
         self._probe_at = start_step + PROBE_STEP
         self._open: Optional[tuple[int, float, int]] = None  # (step, excess so far, steps) of the one measured
         self._chosen = PROBE_STEP  # the interval chosen when the last measurement closed
+        self._overlapped = 0  # the steps the last measured snapshot overlapped
 
     # -- deciding ------------------------------------------------------------
 
@@ -89,7 +94,15 @@ class SnapshotSchedule:
             return False
         if not self._costs:  # none measured yet (or the probe's measurement was cut short)
             return step >= self._probe_at
-        return step >= self._last + self._chosen
+        return step >= self._last + self.gap()
+
+    def gap(self) -> int:
+        """The steps from the last snapshot to the next with two or more
+        live slices: the interval chosen when the last measurement closed,
+        or the steps that snapshot overlapped if more (none is taken while
+        one is measured). A loss of every slice redoes at most this many
+        steps plus the next snapshot's sealing."""
+        return self.fixed if not self.auto else max(self._chosen, self._overlapped)
 
     def interval(self) -> int:
         """The steps between snapshots with two or more live slices: the
@@ -143,6 +156,7 @@ class SnapshotSchedule:
             return None
         self._open = None
         self._costs.append(max(0.0, excess))
+        self._overlapped = n
         self._chosen = self.interval()
         return SnapshotCost(at, round(excess, 4), n)
 

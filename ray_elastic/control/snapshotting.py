@@ -7,7 +7,8 @@ while two or more slices were live: its step, bytes per host, seconds
 from its step's end to sealed (off the step's path), the workers' CPU
 seconds making its host views, `step_path_s` (what the steps it
 overlapped took over the median step: its cost to the run), the interval
-then chosen and `max_redo_steps`: at most how many steps a loss of every
+then chosen (the steps to the next snapshot: more than Young-Daly's when
+sealing took longer) and `max_redo_steps`: at most how many steps a loss of every
 slice would redo.
 """
 
@@ -68,7 +69,7 @@ class Snapshotting:
             return
         record = self._sealed.pop(cost.step, None)
         self._sealed = {k: v for k, v in self._sealed.items() if k > cost.step}
-        interval = self.schedule.interval()
+        interval = self.schedule.gap()
         self._event("snapshot", step=cost.step, step_path_s=cost.step_path_s, steps_overlapped=cost.steps,
                     **({} if record is None else {"bytes_per_host": record.bytes_per_host,
                                                   "seal_s": round(record.seal_s, 4),
