@@ -193,6 +193,12 @@ class ElasticConfig:
         is hung (a stopped process, a frozen node), found in about this
         long instead of at the step deadline (failures/heartbeats.py).
         0 turns heartbeats off.
+    state_check_every: every this many steps each device fingerprints the
+        state it holds and the controller compares the replicas (default 1:
+        every step). A slice whose state differs from the others' is
+        evicted as corrupted and the run rolls back to the newest snapshot
+        the replicas agreed on (control/integrity.py, docs/integrity.md).
+        0 turns the checks off.
     spare_slices: standby slices reserved, started and compiled ahead of
         time (they hold no training state): on a failure a spare takes the
         failed slice's place at the next step boundary, and the failed
@@ -237,6 +243,7 @@ class ElasticConfig:
     step_deadline_floor_s: float = 10.0
     step_deadline_factor: float = 10.0
     heartbeat_timeout_s: float = 1.0
+    state_check_every: int = 1
     first_step_deadline_s: float = 120.0
     compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
     seed: int = 0
@@ -322,6 +329,9 @@ class ElasticConfig:
         if not _number(self.heartbeat_timeout_s) or self.heartbeat_timeout_s < 0:
             raise ConfigError("heartbeat_timeout_s", f"must be >= 0 seconds (0 turns heartbeats off), "
                               f"got {self.heartbeat_timeout_s!r}")
+        if not _count(self.state_check_every) or self.state_check_every < 0:
+            raise ConfigError("state_check_every", f"must be an integer >= 0 steps (0 turns the checks off), "
+                              f"got {self.state_check_every!r}")
 
     @property
     def shards(self) -> int:

@@ -67,6 +67,7 @@ class FailureKind(str, enum.Enum):
     NODE_DIED = "node_died"  # the node hosting a worker left the cluster
     HUNG = "hung"  # no step finished within the step deadline
     PREEMPTED = "preempted"  # the node was drained with a preemption notice
+    CORRUPTED = "corrupted"  # its state or math differs from the other replicas' (silent data corruption)
 
 
 class SliceFailure(ElasticError):
@@ -126,11 +127,21 @@ class SlicePreempted(SliceFailure):
     kind = FailureKind.PREEMPTED
 
 
+class SliceCorrupted(SliceFailure):
+    """The slice's replicas of the state (or its recomputed gradient)
+    differ from the others': its chips compute or hold wrong numbers. It
+    is evicted (its nodes never used again in the run) and the run rolls
+    back to a snapshot no corrupted computation touched."""
+
+    kind = FailureKind.CORRUPTED
+
+
 FAILURE_TYPES = {
     FailureKind.PROCESS_DIED: WorkerProcessDied,
     FailureKind.NODE_DIED: NodeDied,
     FailureKind.HUNG: WorkerHung,
     FailureKind.PREEMPTED: SlicePreempted,
+    FailureKind.CORRUPTED: SliceCorrupted,
 }
 
 

@@ -18,6 +18,7 @@ from ray_elastic.errors import (
     RetryBudgetExhausted,
     RunFailed,
     SliceFailure,
+    SliceCorrupted,
     SlicePreempted,
     WorkerHung,
     WorkerProcessDied,
@@ -104,7 +105,7 @@ def test_failure_kind_roundtrip(roundtrip):
 
 
 def test_slice_failure_kinds_distinct_and_cover_failure_kind():
-    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted]
+    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted, SliceCorrupted]
     kinds = [c.kind for c in subclasses]
     assert len(set(kinds)) == len(kinds)
     assert set(kinds) == set(FailureKind)

@@ -59,7 +59,7 @@ def test_parse_invalid(text):
 
 
 def test_fault_kinds():
-    assert set(FAULT_KINDS) == {"kill", "remove_node", "stop", "term", "freeze_node", "slow"}
+    assert set(FAULT_KINDS) == {"kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt"}
     with pytest.raises(ValueError, match="fault kind"):
         Fault("nuke", 0, 0)
 

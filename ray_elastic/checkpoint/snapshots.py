@@ -21,12 +21,19 @@ step completed: a thread here waits for the calls' statuses and, with one
 slice, pins the copy; until then the previous complete snapshot is the one
 restored. Each sealed snapshot leaves a record (`SnapshotRecord`): its
 bytes per host and how long it took to seal.
+
+With state checks on (control/integrity.py) a snapshot is kept until a
+newer one is verified (its step's replicas agreed): a rollback after
+silent data corruption goes to the newest verified one, never to one a
+corrupted state may have reached. Without checks every snapshot counts
+as verified, and only the newest is kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 from typing import Any, Callable, Optional
 
 import ray
@@ -57,6 +64,7 @@ class _Pending:
     done: dict = dataclasses.field(default_factory=dict)  # slice_id -> its snapshot calls' status refs
     offered_at: float = 0.0
     sealing: Optional[concurrent.futures.Future] = None  # -> (statuses, seconds, pinned value or None)
+    pinned: Any = None  # the driver's copy, once sealed (one live slice)
 
 
 class SnapshotStore:
@@ -72,8 +80,9 @@ class SnapshotStore:
         # one until its timeout, and must not hold up the next.
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="snapshot-seal")
         self._pending: list[_Pending] = []  # expected or sealing, oldest first
-        self._complete: Optional[_Pending] = None
-        self._pinned_value: Any = None
+        # Complete snapshots, oldest first: the newest verified one and any newer.
+        self._kept: list[_Pending] = []
+        self._verified = math.inf  # the newest step the replicas agreed on (inf: no checks)
         self._records: list[SnapshotRecord] = []
 
     def expect(self, step: int, copies_from_slices: int) -> None:
@@ -115,18 +124,35 @@ class SnapshotStore:
             if p.sealing is None or not p.sealing.done():
                 continue
             self._pending.remove(p)
-            if p.sealing.exception() is not None or (self._complete is not None and self._complete.step >= p.step):
+            if p.sealing.exception() is not None or (self._kept and self._kept[-1].step >= p.step):
                 continue
-            statuses, seal_s, pinned = p.sealing.result()
-            self._complete, self._pinned_value = p, pinned
+            statuses, seal_s, p.pinned = p.sealing.result()
+            self._kept.append(p)
             self._records.append(SnapshotRecord(
                 step=p.step, bytes_per_host=max((s["bytes"] for s in statuses), default=0), seal_s=seal_s,
                 views_cpu_s=sum(s.get("views_cpu_s", 0.0) for s in statuses), copies=len(p.refs)))
+        self._prune()
+
+    def _prune(self) -> None:
+        """Drop the snapshots older than the newest verified one."""
+        verified = [i for i, p in enumerate(self._kept) if p.step <= self._verified]
+        if verified:
+            del self._kept[:verified[-1]]
+
+    def verified_through(self, step: int) -> None:
+        """The replicas agreed on the state of `step`: snapshots of it or
+        older are safe to roll back to (and only the newest is kept)."""
+        self._verified = step
+        self._promote()
+
+    @property
+    def _complete(self) -> Optional[_Pending]:
+        return self._kept[-1] if self._kept else None
 
     @property
     def has_pinned_copy(self) -> bool:
         """Whether the driver holds a copy of the newest complete snapshot."""
-        return self._pinned_value is not None
+        return self._complete is not None and self._complete.pinned is not None
 
     def sealing(self) -> bool:
         """Whether a snapshot is still being copied (offered, not sealed)."""
@@ -152,28 +178,39 @@ class SnapshotStore:
                 return next(iter(p.refs.values()))
         return None
 
-    def restore_source(self, node_alive: Callable[[str], bool]) -> Optional[tuple[int, Any]]:
-        """(step, object) to load the newest complete snapshot from.
+    def restore_source(self, node_alive: Callable[[str], bool],
+                       verified: bool = False) -> Optional[tuple[int, Any]]:
+        """(step, object) to load the newest complete snapshot from (the
+        newest verified one, if `verified`).
 
         Takes a copy on a node that is still alive (a killed worker process
         leaves its node's object store, and the copy, intact); falls back to
-        the driver's pinned copy. None if no complete snapshot survives.
+        the driver's pinned copy. None if no such snapshot survives.
         """
         self._promote()
         c = self._complete
+        if verified:
+            c = next((p for p in reversed(self._kept) if p.step <= self._verified), None)
         if c is None:
             return None
         for slice_id, ref in c.refs.items():
             if all(node_alive(n) for n in c.nodes.get(slice_id, ("",))):
                 return c.step, ref
-        if self._pinned_value is not None:
-            return c.step, self._pinned_value
+        if c.pinned is not None:
+            return c.step, c.pinned
         return None
 
     def discard_latest(self) -> None:
         """Forget the newest snapshot (it failed to load)."""
-        self._complete = None
-        self._pinned_value = None
+        if self._kept:
+            self._kept.pop()
+
+    def discard_after(self, step: int) -> None:
+        """Forget the snapshots of steps after `step` (a rollback to it:
+        they hold a state the run no longer has)."""
+        self._promote()
+        self._kept = [p for p in self._kept if p.step <= step]
+        self._pending = [p for p in self._pending if p.step <= step]
 
     def wait_sealed(self, timeout: float) -> float:
         """Wait (up to `timeout`) for the newest snapshot being copied to

@@ -26,10 +26,12 @@ class SliceUp:
 
 
 class SliceBackend(Protocol):
-    def start(self, slice_id: int, new_group: bool = False) -> None:
+    def start(self, slice_id: int, new_group: bool = False, evict: tuple = ()) -> None:
         """Queue the slice's workers (a replacement reuses its placement
         group, unless `new_group`: the old one holds a bundle on a node
-        that does not answer); any workers it had are torn down first."""
+        that does not answer; or `evict`: nodes no slice of the run may
+        use again, given a new group away from them); any workers it had
+        are torn down first."""
 
     def poll(self, block_s: float = 0.0) -> list[SliceUp]:
         """Slices set up since the last poll, waiting up to block_s for
@@ -80,6 +82,9 @@ class SliceBackend(Protocol):
 
     def slow_down(self, slice_id: int, host: int, ms: int) -> None:
         """Make the host take `ms` longer per gradient call (a `slow` fault)."""
+
+    def corrupt(self, slice_id: int, host: int, target: str, lasting: bool) -> None:
+        """Make the host flip a bit of its state or gradient (a `corrupt` fault)."""
 
     def retire(self, slice_id: int) -> None:
         """Tear the slice's workers down (its placement group stays)."""

@@ -40,11 +40,12 @@ class RayBackend:
         compile_cache_dir: str = "", provisioner: Optional[type] = None,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
+        state_check_every: int = 0,
     ):
         cls = provisioner or RaySlices
         self._slices: SliceProvisioner = cls(
             spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
-            warm_workers=warm_workers,
+            warm_workers=warm_workers, state_check_every=state_check_every,
         )
         probe = RayProbe()
         beats = probe.heartbeats(clock, heartbeat_timeout_s) if heartbeat_timeout_s > 0 else None
@@ -61,10 +62,10 @@ class RayBackend:
 
     # -- provisioning -----------------------------------------------------
 
-    def start(self, slice_id: int, new_group: bool = False) -> None:
+    def start(self, slice_id: int, new_group: bool = False, evict: tuple = ()) -> None:
         self.retire(slice_id)
-        if new_group:
-            self._slices.abandon_group(slice_id)
+        if new_group or evict:
+            self._slices.abandon_group(slice_id, evict)
         self._coming[slice_id] = self._slices.start(slice_id)
 
     def poll(self, block_s: float = 0.0) -> list[SliceUp]:
@@ -123,6 +124,10 @@ class RayBackend:
     def slow_down(self, slice_id: int, host: int, ms: int) -> None:
         worker = self._up[slice_id].workers[host]
         ray.get(worker.slow_down.options(concurrency_group="control").remote(ms), timeout=30.0)
+
+    def corrupt(self, slice_id: int, host: int, target: str, lasting: bool) -> None:
+        worker = self._up[slice_id].workers[host]
+        ray.get(worker.corrupt.options(concurrency_group="control").remote(target, lasting), timeout=30.0)
 
     # -- steps and state --------------------------------------------------
 

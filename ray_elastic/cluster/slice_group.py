@@ -86,7 +86,7 @@ class SliceProvisioner(Protocol):
     or a drop-in such as the scale benchmark's simulated slices."""
 
     def __init__(self, spec: SliceSpec, program_factory: Callable[[], TrainProgram], seed: int, num_shards: int,
-                 run_name: str, compile_cache_dir: str = "", warm_workers: int = 0): ...
+                 run_name: str, compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0): ...
 
     def start(self, slice_id: int) -> Provisioning:
         """Queue a slice's workers (on its placement group, made if new)."""
@@ -96,9 +96,10 @@ class SliceProvisioner(Protocol):
 
     def kill(self, workers: list) -> None: ...
 
-    def abandon_group(self, slice_id: int) -> None:
+    def abandon_group(self, slice_id: int, evict: tuple = ()) -> None:
         """Leave the slice's placement group (a silent node holds a bundle);
-        the next start makes a new one."""
+        the next start makes a new one. `evict`: nodes no group of the run
+        may use again (their chips computed wrong numbers)."""
 
     def reap_abandoned(self) -> None:
         """Remove abandoned groups whose nodes Ray has declared dead."""
@@ -120,9 +121,11 @@ class RaySlices:
         run_name: str,
         compile_cache_dir: str = "",
         warm_workers: int = 0,
+        state_check_every: int = 0,
     ):
         self.spec = spec
         self._warm = warm_workers
+        self._check_every = state_check_every
         # The warm pool's set-up hook is part of the workers' runtime
         # environment, so the processes it keeps match the next replacement.
         self._env = {**worker_env(spec),
@@ -137,6 +140,7 @@ class RaySlices:
         self._generation: dict[int, int] = {}  # placement groups made per slice so far
         self._abandoned: list = []  # groups left on a silent node, removed once Ray declares it dead
         self._reaped_at = 0.0
+        self._evicted: set[str] = set()  # node ids no new group may use
 
     # -- placement groups -------------------------------------------------
 
@@ -159,7 +163,13 @@ class RaySlices:
             self._tpu_handles[slice_id] = handle
             pg = handle.placement_group
         else:
-            pg = placement_group(self.spec.bundles(), strategy="STRICT_SPREAD", name=name)
+            bundles = self.spec.bundles()
+            # Ray labels every node with its id: a selector keeps the group
+            # off the evicted ones. (A TPU slice's group is made by
+            # ray.util.tpu, which takes no selector.)
+            away = ([{"ray.io/node-id": f"!in({','.join(sorted(self._evicted))})"}] * len(bundles)
+                    if self._evicted else None)
+            pg = placement_group(bundles, strategy="STRICT_SPREAD", name=name, bundle_label_selector=away)
         self._pgs[slice_id] = pg
         return pg
 
@@ -201,7 +211,7 @@ class RaySlices:
             slice_id=slice_id,
             workers=workers,
             info_refs=[w.info.remote() for w in workers],
-            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm) for w in workers],
+            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm, self._check_every) for w in workers],
             started_at=time.monotonic(),
         )
 
@@ -231,18 +241,22 @@ class RaySlices:
             except Exception:  # already gone
                 pass
 
-    def abandon_group(self, slice_id: int) -> None:
-        """Give the slice a new placement group on its next start. The old
+    def abandon_group(self, slice_id: int, evict: tuple = ()) -> None:
+        """Give the slice a new placement group on its next start (away
+        from the `evict` nodes, as every group of the run after it). The old
         one holds a bundle on a node that does not answer (frozen, cut
         off), which Ray frees only once its health checks declare the node
         dead; removing the group now could let Ray place the new one on
         that node. It is parked and removed once Ray reschedules it (the
         node declared dead), so it never competes with the slices for new
         nodes for long."""
+        self._evicted.update(evict)
         pg = self._pgs.pop(slice_id, None)
         self._generation[slice_id] = self._generation.get(slice_id, 0) + 1
         handle = self._tpu_handles.pop(slice_id, None)
-        if pg is not None:
+        if pg is not None and evict:  # a live node: freed now, the selector keeps new groups off it
+            _remove(pg, handle)
+        elif pg is not None:
             self._abandoned.append((pg, handle))
 
     def reap_abandoned(self, every_s: float = 1.0) -> None:

@@ -30,7 +30,7 @@ from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
 from ray_elastic.control.preflight import check_program
-from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceFailure, SlicePreempted
+from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceCorrupted, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -43,6 +43,7 @@ from ray_elastic.observe.report import RunReport
 from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting, status
 from ray_elastic.checkpoint.snapshots import SnapshotStore
 from ray_elastic.control.snapshotting import Snapshotting
+from ray_elastic.control.integrity import StateChecks, roll_back, spend_retry
 from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.seams import Seams
 
@@ -114,6 +115,7 @@ class Controller:
         self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
         self.members: Optional[Membership] = None  # made by fit()
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
+        self._checks, self._diverged = StateChecks(config.state_check_every), None  # the step's Divergence
 
     # -- the loop ---------------------------------------------------------
 
@@ -136,6 +138,7 @@ class Controller:
                 self._ckpt.start_writer()
             backend = self._backend or self._ray_backend()
             self._injector.slow_down = getattr(backend, "slow_down", None)
+            self._injector.corrupt = getattr(backend, "corrupt", None)
             self._snapshots = SnapshotStore(fetch=backend.fetch)
             self.members = Membership(
                 backend, self._snapshots, self._event, checkpoints=self._ckpt,
@@ -166,8 +169,9 @@ class Controller:
                 self.final_state = final_state(backend.fetch(backend.state(min(self.members.live))))
         except BaseException as e:  # RunFailed, a ConfigError found at set-up, a bug, Ctrl-C: all end the run
             outcome, error = "failed", str(e) or type(e).__name__
-            if isinstance(e, NonFiniteLoss):
-                self._keep_state_before(e)
+            if isinstance(e, NonFiniteLoss):  # found before its step is applied: the state before is kept
+                self.final_state = self._saves.keep_before_error(self.step, e, self._keep_final_state,
+                                                                 self._event) or self.final_state
             raise
         finally:
             self._preemption.uninstall()
@@ -182,20 +186,6 @@ class Controller:
             for cb in self._callbacks:
                 cb.on_end(self.report)
         return self.report
-
-    def _keep_state_before(self, e: NonFiniteLoss) -> None:
-        """A non-finite loss is found before its step is applied, so every
-        live slice still holds the state of the step before: save it as a
-        checkpoint (when checkpoints are on) and hand it to the user (when
-        asked for), so nothing trained is lost with the run."""
-        try:
-            saved = self._saves.now(self.step, timeout_s=120.0)
-            self._event("kept_before_error", step=self.step, checkpoint=bool(saved))
-            if self._keep_final_state and self.members.live:
-                self.final_state = final_state(self.members.backend.fetch(self.members.backend.state(
-                    min(self.members.live))))
-        except Exception:  # the run's own error is what the user must see
-            log.warning("could not keep the state of step %d after %s", self.step, e, exc_info=True)
 
     def add_callback(self, callback: Callback) -> None:
         """Add a callback before `fit` (one that needs the trainer itself)."""
@@ -234,7 +224,7 @@ class Controller:
             c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
             warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
-            heartbeat_timeout_s=c.heartbeat_timeout_s)
+            heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
@@ -348,6 +338,7 @@ class Controller:
         self.step = step
         del self._step_durations[step:]
         self._snapshotting.restart(step)
+        self._checks.restart(step)
 
     # -- one step -----------------------------------------------------------
 
@@ -388,6 +379,8 @@ class Controller:
         self.step = k + 1
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
+        self._diverged = self._checks.check(self.step, result.metrics) if self._checks.every else None
+        self._snapshots.verified_through(self._checks.verified if self._checks.every else self.step)
         if not recovered:
             return self._report_step(result, t_end - t_start, slices)
         self._state = Running(fresh=False)
@@ -410,7 +403,7 @@ class Controller:
 
     # -- recovery -----------------------------------------------------------
 
-    def _recover(self, f: SliceFailure, in_flight: bool = True) -> None:
+    def _recover(self, f: SliceFailure, in_flight: bool = True, evict: tuple = ()) -> None:
         now, self._held = self._clock(), None
         fired = self._injector.last_for(f.slice_id)
         # Measured from the injected fault, else from its first sign.
@@ -430,7 +423,7 @@ class Controller:
         # A silent (frozen) node keeps its bundle of the slice's placement
         # group until Ray declares it dead: the replacement gets a new group.
         new_group = f.node_silent
-        self.members.lose(f.slice_id, new_group=new_group)
+        self.members.lose(f.slice_id, new_group=new_group, evict=evict)
         if not self.members.live:  # the loss snapshots guard against: every slice at once
             self._snapshotting.all_lost(now)
         self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))
@@ -502,10 +495,30 @@ class Controller:
         self.step = step
         self._step_durations = [0.0] * step  # steps done by an earlier run
         self._snapshotting.restart(step)
+        self._checks.restart(step)
         self._event("restore", source="checkpoint", step=step, cold_start=True)
 
     def _after_step(self) -> None:
-        self._saves.after_step(self.step)
+        found, self._diverged = self._diverged, None
+        if found is None:
+            return self._saves.after_step(self.step)
+        # Silent data corruption: the odd slice is evicted (its node never
+        # used again) and the run rolls back to a verified snapshot (integrity.py).
+        self._event("diverged", step=found.step, named=[list(k) for k in found.named], verified=found.verified,
+                    detail=found.detail)
+        if found.named:
+            s, h = found.named[0]
+            node = self.members.backend.hosts(s)[h]["node_id"]
+            self._recover(SliceCorrupted(s, h, found.step - 1, found.detail), in_flight=False, evict=(node,))
+        else:
+            self.retries = spend_retry(found, self.retries, self.config.max_retries)
+        step = roll_back(self.members, self._snapshots, found, self._event)
+        for f in self._open:
+            f.restored_from = "snapshot" if step is not None else "pending"
+        if step is not None:
+            self._rewind_to(step)
+        elif not isinstance(self._state, Waiting):
+            self._state = Waiting(since=self._clock(), until=self._clock() + self.config.timeout_s)
 
     def _take_notice(self) -> bool:
         """Handle a preemption notice at this step boundary. True when the
@@ -514,16 +527,13 @@ class Controller:
         if isinstance(notice, DriverStop):
             self._state = Stopping(notice.reason)
             self._announce()
-            self._stop_for_preemption(notice.reason)
+            self._event("preempted", reason=notice.reason, step=self.step)
+            saved = self._saves.now(self.step, timeout_s=60.0)
+            self._event("preempt_saved" if saved else "preempt_unsaved", step=self.step)
             return True
         if isinstance(notice, SliceNotice):
             self._retire_preempted(notice)
         return False
-
-    def _stop_for_preemption(self, reason: str) -> None:
-        self._event("preempted", reason=reason, step=self.step)
-        saved = self._saves.now(self.step, timeout_s=60.0)
-        self._event("preempt_saved" if saved else "preempt_unsaved", step=self.step)
 
     def _retire_preempted(self, n: SliceNotice) -> None:
         """Checkpoint the last completed step before the notice's deadline,

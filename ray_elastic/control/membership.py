@@ -55,12 +55,15 @@ class Membership:
         self.live: set[int] = set()
         self._failed_joins = 0
 
-    def start(self, slice_id: int, new_group: bool = False) -> None:
+    def start(self, slice_id: int, new_group: bool = False, evict: tuple = ()) -> None:
         """Provision a slice, or a replacement for a failed one (on a new
-        placement group: the old one is stuck on a silent node)."""
+        placement group: the old one is stuck on a silent node; or away
+        from the `evict` nodes, which no slice of the run uses again)."""
         self.live.discard(slice_id)
         self.ready.discard(slice_id)
-        if new_group:
+        if evict:
+            self.backend.start(slice_id, new_group=True, evict=tuple(evict))
+        elif new_group:
             self.backend.start(slice_id, new_group=True)
         else:
             self.backend.start(slice_id)
@@ -73,11 +76,11 @@ class Membership:
             extra = {"phases": dict(up.phases)} if getattr(up, "phases", None) else {}
             self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s, **extra)
 
-    def lose(self, slice_id: int, new_group: bool = False) -> None:
+    def lose(self, slice_id: int, new_group: bool = False, evict: tuple = ()) -> None:
         """A live slice failed: tear it down and queue its replacement."""
         self.live.discard(slice_id)
         self.backend.retire(slice_id)
-        self.start(slice_id, new_group)
+        self.start(slice_id, new_group, evict)
 
     def go_live(self, slices: set[int]) -> None:
         self.ready -= slices

@@ -5,13 +5,17 @@ every call is a no-op, so the loop reads the same either way."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import logging
+from typing import Any, Callable, Optional
 
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.checkpoint.snapshots import SnapshotStore
+from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.membership import Membership
 
 __all__ = ["Saves"]
+
+log = logging.getLogger("ray_elastic")
 
 
 class Saves:
@@ -72,3 +76,19 @@ class Saves:
         live slices (an older one if that step proves damaged); its step."""
         m = self.members
         return self.ckpt.load_into(lambda source: load(sorted(m.live), source, timeout_s), step)
+
+    def keep_before_error(self, step: int, error: BaseException, keep_final: bool,
+                          event: Callable[..., None]) -> Optional[Any]:
+        """A non-finite loss is found before its step is applied, so every
+        live slice still holds the state of `step`: save it as a checkpoint
+        (when checkpoints are on) and return it (when `keep_final`), so
+        nothing trained is lost with the run. None if not kept."""
+        try:
+            saved = self.now(step, timeout_s=120.0)
+            event("kept_before_error", step=step, checkpoint=bool(saved))
+            m = self.members
+            if keep_final and m.live:
+                return final_state(m.backend.fetch(m.backend.state(min(m.live))))
+        except Exception:  # the run's own error is what the user must see
+            log.warning("could not keep the state of step %d after %s", step, error, exc_info=True)
+        return None

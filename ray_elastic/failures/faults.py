@@ -17,9 +17,12 @@ from typing import Callable, Optional
 
 from ray_elastic.errors import ConfigError
 
-__all__ = ["Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PHASES", "check_faults"]
+__all__ = ["CORRUPT_TARGETS", "Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PHASES", "check_faults"]
 
-FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node", "slow")
+FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt")
+# What a `corrupt` fault flips a bit of: the state the apply makes (on one
+# device), or a gradient the slice sends; "+": at every step from then on.
+CORRUPT_TARGETS = ("state", "grads", "state+", "grads+")
 # The moments of a step a fault can hit: once its gradient calls are in
 # flight; once every gradient is in, before the reduction tree is gathered;
 # once the sum is made, as the applies are issued (StepRunner.run). With
@@ -37,6 +40,9 @@ class Fault:
     unreachable: a frozen machine, or one whose network dropped).
     slow: the worker takes `ms` milliseconds longer over each gradient call
     from then on (a straggler: alive and answering, only slow).
+    corrupt: the worker flips one bit of its `target` (CORRUPT_TARGETS): the
+    state its next apply makes, or the next gradient it sends; with "+",
+    at every step from then on (silent data corruption: it answers, wrong).
     `phase`: the moment of the step it fires at (FAULT_PHASES).
     """
 
@@ -46,6 +52,7 @@ class Fault:
     host: int = 0
     phase: str = "grads"
     ms: int = 0
+    target: str = ""
 
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
@@ -57,21 +64,26 @@ class Fault:
         if (self.kind == "slow") != (self.ms > 0):
             raise ConfigError("faults", f"fault {self.kind!r}: ms (milliseconds added per step) must be > 0 for "
                               f"'slow' and is for 'slow' only, got {self.ms}")
+        if (self.kind == "corrupt") != bool(self.target) or (self.target and self.target not in CORRUPT_TARGETS):
+            raise ConfigError("faults", f"fault {self.kind!r}: target must be one of {CORRUPT_TARGETS} for "
+                              f"'corrupt' and is for 'corrupt' only, got {self.target!r}")
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
-        """'KIND:SLICE:STEP[:HOST[:PHASE[:MS]]]', e.g. 'kill:1:20', 'remove_node:1:20:0:apply'
-        or 'slow:1:20:0:grads:500'."""
+        """'KIND:SLICE:STEP[:HOST[:PHASE[:MS|TARGET]]]', e.g. 'kill:1:20',
+        'remove_node:1:20:0:apply', 'slow:1:20:0:grads:500' or
+        'corrupt:1:20:0:grads:state+'."""
         parts = text.split(":")
         if len(parts) not in (3, 4, 5, 6):
-            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST[:PHASE[:MS]]]")
+            raise ConfigError("faults", f"fault {text!r}: expected KIND:SLICE:STEP[:HOST[:PHASE[:MS|TARGET]]]")
         kind, *nums = parts[:4]
+        last = parts[5] if len(parts) == 6 else None
         try:
             values = [int(n) for n in nums]
-            ms = [int(parts[5])] if len(parts) == 6 else []
+            ms = int(last) if last is not None and kind != "corrupt" else 0
         except ValueError:
             raise ConfigError("faults", f"fault {text!r}: SLICE, STEP, HOST and MS must be integers") from None
-        return cls(kind, *values, *parts[4:5], *ms)
+        return cls(kind, *values, *parts[4:5], ms=ms, target=last if kind == "corrupt" and last else "")
 
 
 def check_faults(faults, num_slices: int, hosts_per_slice: int) -> None:
@@ -111,8 +123,10 @@ class FaultInjector:
         self._clock = clock
         self.fired: list[Fired] = []
         self._node_actions = {"remove_node": remove_node, "freeze_node": freeze_node}
-        # (slice, host, ms) -> None: slows a worker down (the backend's, set once it exists).
+        # (slice, host, ms) -> None: slows a worker down; (slice, host,
+        # target, lasting) -> None: has it flip bits (the backend's, set once it exists).
         self.slow_down: Optional[Callable[[int, int, int], None]] = None
+        self.corrupt: Optional[Callable[[int, int, str, bool], None]] = None
         for kind, action in self._node_actions.items():
             if action is None and any(f.kind == kind for f in faults):
                 raise ConfigError("faults", f"a {kind} fault needs a cluster that can do it ({kind}=...)")
@@ -139,6 +153,10 @@ class FaultInjector:
                 if self.slow_down is None:
                     raise ConfigError("faults", "a slow fault needs a backend that can slow a worker down")
                 self.slow_down(f.slice_id, f.host, f.ms)
+            elif f.kind == "corrupt":
+                if self.corrupt is None:
+                    raise ConfigError("faults", "a corrupt fault needs a backend that can corrupt a worker")
+                self.corrupt(f.slice_id, f.host, f.target.rstrip("+"), f.target.endswith("+"))
             else:
                 self._node_actions[f.kind](info["node_id"])
             self.pending.remove(f)  # only once it has really fired

@@ -118,16 +118,19 @@ class SliceWorker:
 
         return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
-    def setup(self, coordinator: Optional[str], compile_cache_dir: str = "", warm_workers: int = 0) -> dict:
+    def setup(self, coordinator: Optional[str], compile_cache_dir: str = "", warm_workers: int = 0,
+              state_check_every: int = 0) -> dict:
         """Start JAX, build the program, compile the step (the step-0 state
         is made when first needed); then ask this host's raylet for
         `warm_workers` idle processes for a replacement to start in
-        (worker/warm_pool.py), off the set-up's path.
+        (worker/warm_pool.py), off the set-up's path. The state of every
+        `state_check_every`-th step is fingerprinted (0: never).
 
         Returns setup_s, devices, per_host (whether the state moves host to
         host: a sharded layout), ready_at and `phases`: seconds per part of
         the way from the actor's creation to ready (readiness.py)."""
         out = self._setup(coordinator, compile_cache_dir)
+        self._steps.check_every = state_check_every
         if warm_workers:
             threading.Thread(target=keep_warm, args=(warm_workers,), daemon=True, name="warm-pool").start()
         return out
@@ -270,3 +273,10 @@ class SliceWorker:
         """A `slow` fault (failures/faults.py): every gradient call from now
         on takes `ms` milliseconds longer, as on a straggling host."""
         self._steps.delay_s = ms / 1000.0
+
+    def corrupt(self, target: str, lasting: bool) -> None:
+        """A `corrupt` fault (failures/faults.py): flip one bit of the
+        next apply's new state on one device ("state"), or of the next
+        gradient sent ("grads"); `lasting`: at every step from then on,
+        as a chip gone bad would."""
+        self._steps.corrupt = (target, lasting)

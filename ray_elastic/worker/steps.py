@@ -22,6 +22,7 @@ import numpy as np
 
 from ray_elastic.worker.batches import BatchReader
 from ray_elastic.worker.exchange_stats import ExchangeStats
+from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, state_fingerprint
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
 from ray_elastic.worker.reduction import divided, eval_values, reduce_pieces, step_values
@@ -55,6 +56,12 @@ class SliceSteps:
         self._state_op = "max" if self._state_reduction == "max" else "sum"
         self._batches = BatchReader(layout.program, seed, num_shards, compiled.rows, compiled.eval_rows)
         self.delay_s = 0.0  # added to every gradient call: a `slow` fault (SliceWorker.slow_down)
+        # Steps whose new state is fingerprinted (0: none): the controller
+        # compares the replicas (control/integrity.py).
+        self.check_every = 0
+        # A `corrupt` fault (SliceWorker.corrupt): "state" or "grads", and
+        # whether every step from then on, not only the next.
+        self.corrupt: Optional[tuple[str, bool]] = None
 
     def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
         """(status, payload) of the gradients of `shards` at the held
@@ -86,6 +93,8 @@ class SliceSteps:
             # same host of the other slices; a replicated slice's host 0 all.
             out["grads"][shard] = (local_blocks(jax.tree.leaves(g)) if layout.sharded
                                    else jax.tree.map(_host_value, g))
+            if shard == shards[0] and self._corrupting("grads"):
+                out["grads"][shard] = flip_payload_bit(out["grads"][shard])
             out["loss"][shard] = float(_host_value(total))
             out["weight"][shard] = w = float(_host_value(weight))
             out["aux"][shard] = {k: float(_host_value(v)) for k, v in aux.items()}
@@ -152,8 +161,15 @@ class SliceSteps:
         scalars = {k: device_array(np.float32(v), layout.replicated)
                    for k, v in {"loss": values.loss, **values.aux}.items()}
         held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, scalars))
+        if self._corrupting("state"):
+            held.params = flip_bit(held.params)
         self._exchange.count(parts)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
+        if self.check_every and (step + 1) % self.check_every == 0:
+            # Every device's fingerprint of the shards it holds; under a
+            # replicated layout they must all be equal.
+            metrics["fingerprint"] = state_fingerprint((held.params, held.opt_state))
+            metrics["replicated"] = not layout.sharded
         evaluated = eval_values(total, program.eval_aux)
         if evaluated is not None:  # of the state this step started from
             metrics["aux"] = {**values.aux, "eval/loss": evaluated.loss,
@@ -162,6 +178,15 @@ class SliceSteps:
             metrics["preempt_notice_at"] = self._notice.at
         held.last_apply = metrics
         return metrics
+
+    def _corrupting(self, target: str) -> bool:
+        """Whether a `corrupt` fault of `target` flips a bit now (once,
+        unless it lasts)."""
+        if self.corrupt is None or self.corrupt[0] != target:
+            return False
+        if not self.corrupt[1]:
+            self.corrupt = None
+        return True
 
     def _global_batch(self, local: dict, shapes: Optional[dict] = None) -> dict:
         import jax

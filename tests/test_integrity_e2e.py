@@ -1,0 +1,98 @@
+"""Silent data corruption on a real cluster: a `corrupt` fault flips a real
+bit in one worker's state (on one device, after its apply), the state
+fingerprints differ, and the run names the slice, evicts it (its
+replacement lands on another node), rolls back to the newest verified
+snapshot and ends bitwise equal to a failure-free run. With two slices
+and nothing to tell them apart, the run rolls back without evicting."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 16
+FAULT_AT = 8
+
+
+def _run(factory, config, faults=()):
+    trainer = ElasticTrainer(factory, config, STEPS, faults=faults, keep_final_state=True)
+    return trainer, trainer.fit()
+
+
+def _same(a, b) -> None:
+    import jax
+
+    assert a["step"] == b["step"] == STEPS
+    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
+        np.testing.assert_array_equal(x, y)
+
+
+def _events(report, name):
+    return [e for e in report.events if e["event"] == name]
+
+
+def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_factory):
+    nodes(4)  # three slices and the evicted one's replacement
+    config = ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0)
+    assert config.state_check_every == 1
+    ref, ref_report = _run(lm_factory, config)
+    assert not ref_report.failures and not _events(ref_report, "diverged")
+
+    seen: dict = {}
+    holder: dict = {}
+
+    def node_of_slice_1(e):
+        if e["event"] == "fault" or (e["event"] == "grow" and 1 in e["joined"]):
+            seen[e["event"]] = holder["trainer"].hosts(1)[0]["node_id"]
+
+    trainer = holder["trainer"] = ElasticTrainer(
+        lm_factory, config, STEPS, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),), keep_final_state=True,
+        on_event=node_of_slice_1)
+    report = trainer.fit()
+    assert report.steps_completed == STEPS
+    [diverged] = _events(report, "diverged")
+    # The bit flips in the state the fault step's apply (or, if the fault
+    # landed after it, the next one) makes: found at that very step.
+    assert diverged["step"] in (FAULT_AT + 1, FAULT_AT + 2), diverged
+    assert diverged["named"] == [[1, 0]]
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 1
+    assert f.restored_from == "snapshot"
+    restore = [e for e in _events(report, "restore") if e.get("verified")][-1]
+    assert restore["step"] <= diverged["verified"] == diverged["step"] - 1
+    assert f.steps_rewound == diverged["step"] - restore["step"]
+    # The replacement is kept off the evicted host's node.
+    assert seen.get("grow") and seen["grow"] != seen["fault"], seen
+    _same(trainer.final_state, ref.final_state)
+
+
+def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):
+    nodes(2)
+    config = ElasticConfig(num_slices=2, policy="resize")
+    ref, _ = _run(lm_factory, config)
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 0, FAULT_AT, target="state"),))
+    [diverged] = _events(report, "diverged")
+    assert diverged["named"] == [] and "no majority" in diverged["detail"]
+    assert not report.failures  # nothing to evict: the flip was once, and the rollback undid it
+    restore = [e for e in _events(report, "restore") if e.get("verified")][-1]
+    assert restore["step"] <= diverged["verified"] < diverged["step"]
+    _same(trainer.final_state, ref.final_state)
+
+
+@pytest.mark.slow
+def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
+    """A replicated slice's devices hold the same bits: one flipped on one
+    device names its slice, even with two slices."""
+    nodes(3)
+    config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=2))
+    ref, _ = _run(lm_factory, config)
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
+    [diverged] = _events(report, "diverged")
+    assert diverged["named"] == [[1, 0]] and "devices hold different bits" in diverged["detail"]
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.restored_from == "snapshot"
+    _same(trainer.final_state, ref.final_state)
