@@ -379,8 +379,7 @@ class Controller:
         self.step = k + 1
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
-        self._diverged = self._checks.check(self.step, result.metrics) if self._checks.every else None
-        self._snapshots.verified_through(self._checks.verified if self._checks.every else self.step)
+        self._diverged = self._checks.after_step(self.step, result.metrics, self._snapshots)
         if not recovered:
             return self._report_step(result, t_end - t_start, slices)
         self._state = Running(fresh=False)
@@ -397,7 +396,8 @@ class Controller:
 
     def _report_step(self, result, step_s: float, slices: Optional[int] = None) -> None:
         live = len(self.members.live) if slices is None else slices
-        step_metrics = {"loss": result.loss, **result.aux, "slices": live, "step_s": step_s}
+        step_metrics = {"loss": result.loss, **result.aux, "slices": live, "step_s": step_s,
+                        **self._checks.timing(result.metrics)}
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
 

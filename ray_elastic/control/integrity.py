@@ -53,6 +53,20 @@ class StateChecks:
         every live slice loaded from one copy."""
         self.verified = step
 
+    def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots) -> Optional[Divergence]:
+        """Check the step (when checks are on) and tell the snapshot store
+        which snapshots are verified (every one, with checks off)."""
+        found = self.check(step, metrics) if self.every else None
+        snapshots.verified_through(self.verified if self.every else step)
+        return found
+
+    @staticmethod
+    def timing(metrics: Mapping[tuple[int, int], dict]) -> dict:
+        """{"check_s": the slowest host's fingerprint seconds} for a checked
+        step's metrics (what the check cost the step); {} otherwise."""
+        took = [m["fingerprint_s"] for m in metrics.values() if "fingerprint_s" in m]
+        return {"check_s": max(took)} if took else {}
+
     def check(self, step: int, metrics: Mapping[tuple[int, int], dict]) -> Optional[Divergence]:
         """Compare the fingerprints in the step's metrics ((slice, host) ->
         the apply's metrics); None when they agree (or there are none)."""

@@ -168,7 +168,10 @@ class SliceSteps:
         if self.check_every and (step + 1) % self.check_every == 0:
             # Every device's fingerprint of the shards it holds; under a
             # replicated layout they must all be equal.
+            jax.block_until_ready((held.params, held.opt_state))  # the update first: it is not the check's time
+            t0 = time.perf_counter()
             metrics["fingerprint"] = state_fingerprint((held.params, held.opt_state))
+            metrics["fingerprint_s"] = time.perf_counter() - t0
             metrics["replicated"] = not layout.sharded
         evaluated = eval_values(total, program.eval_aux)
         if evaluated is not None:  # of the state this step started from
