@@ -2,7 +2,7 @@
 
     ray-elastic [--debug] demo [--policy resize|pause] [--slices N] [--steps N]
                      [--model small|medium|large] [--sharding replicated|fsdp|fsdp_tp]
-                     [--fail-at STEP] [--fault remove_node|kill|stop|slow]
+                     [--fail-at STEP] [--fault remove_node|kill|stop|slow|corrupt]
                      [--report FILE] [--events FILE] ...
     ray-elastic timeline EVENTS.jsonl [-o OUT.png]
     ray-elastic timeline --report REPORT.json [-o OUT.png]
@@ -36,6 +36,8 @@ import tempfile
 import threading
 import time
 from typing import Optional
+
+from ray_elastic.failures.faults import CORRUPT_TARGETS
 
 __all__ = ["main"]
 
@@ -93,7 +95,8 @@ def _demo(args: argparse.Namespace) -> int:
     config = elastic_config(args, spec)
     fail_at = args.steps // 4 if args.fail_at is None else args.fail_at
     ms = args.slow_ms if args.fault == "slow" else 0
-    faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at, ms=ms),)
+    target = args.corrupt if args.fault == "corrupt" else ""
+    faults = () if fail_at < 0 else (Fault(args.fault, args.fail_slice, fail_at, ms=ms, target=target),)
     check_faults(faults, config.num_slices, spec.hosts)
     # The example model ships in the package (pyproject.toml maps examples/
     # to ray_elastic.examples), so workers import it like any installed code.
@@ -356,11 +359,15 @@ def build_parser() -> argparse.ArgumentParser:
     opt = demo.add_argument
     opt("--fail-at", type=int, default=None, help="step of the fault; -1: no fault (default: steps/4)")
     opt("--fail-slice", type=int, default=1, help="slice the fault hits (default: %(default)s)")
-    opt("--fault", choices=("remove_node", "kill", "stop", "slow"), default="remove_node",
+    opt("--fault", choices=("remove_node", "kill", "stop", "slow", "corrupt"), default="remove_node",
         help="remove_node: the node and its processes go; kill: SIGKILL a worker; "
         "stop: SIGSTOP a worker, a hang; slow: the slice takes --slow-ms longer per step from then on, "
-        "alive and answering (default: %(default)s)")
+        "alive and answering; corrupt: the slice flips a bit of its state or gradient, see --corrupt "
+        "(default: %(default)s)")
     opt("--slow-ms", type=int, default=1000, help="with --fault slow: milliseconds added per step (default: %(default)s)")
+    opt("--corrupt", choices=CORRUPT_TARGETS, default="state",
+        help="with --fault corrupt: what flips, state (the state its next apply makes, on one device) or grads "
+             "(the next gradient it sends); with +, at every step from then on (default: %(default)s)")
     add_debug_option(demo, default=argparse.SUPPRESS)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoint steps, committed or not")
     ck.add_argument("path", help="checkpoint.path: a folder or gs://bucket/prefix")

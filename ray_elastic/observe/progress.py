@@ -145,6 +145,11 @@ class ProgressCallback(Callback):
                 self._pending = [s for s in self._pending if s not in joined]
                 important = True
                 lines.append(f"[{t:8.2f} s] slice(s) {', '.join(map(str, joined))} joined at step {e.get('step')}: {self._slices} live")
+            elif name == "diverged":
+                important = True
+                named = ", ".join(f"slice {s} host {h}" for s, h in e.get("named") or []) or "no slice could be named"
+                lines.append(f"[{t:8.2f} s] the replicas' states differ at step {e.get('step')} ({named}): "
+                             f"rolling back to a snapshot of step {e.get('verified')} or before")
             elif name == "rewind":
                 important = True
                 self._step = int(e.get("to_step", self._step))
