@@ -199,6 +199,11 @@ class ElasticConfig:
         evicted as corrupted and the run rolls back to the newest snapshot
         the replicas agreed on (control/integrity.py, docs/integrity.md).
         0 turns the checks off.
+    grad_check_every: every this many steps one shard's gradient is
+        computed again by the next one or two live slices (rotating) and
+        the fingerprints compared, which catches a slice whose gradients
+        are wrong (they leave the replicas equal). Default 50; 0 turns the
+        cross-checks off.
     spare_slices: standby slices reserved, started and compiled ahead of
         time (they hold no training state): on a failure a spare takes the
         failed slice's place at the next step boundary, and the failed
@@ -244,6 +249,7 @@ class ElasticConfig:
     step_deadline_factor: float = 10.0
     heartbeat_timeout_s: float = 1.0
     state_check_every: int = 1
+    grad_check_every: int = 50
     first_step_deadline_s: float = 120.0
     compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
     seed: int = 0
@@ -329,9 +335,10 @@ class ElasticConfig:
         if not _number(self.heartbeat_timeout_s) or self.heartbeat_timeout_s < 0:
             raise ConfigError("heartbeat_timeout_s", f"must be >= 0 seconds (0 turns heartbeats off), "
                               f"got {self.heartbeat_timeout_s!r}")
-        if not _count(self.state_check_every) or self.state_check_every < 0:
-            raise ConfigError("state_check_every", f"must be an integer >= 0 steps (0 turns the checks off), "
-                              f"got {self.state_check_every!r}")
+        for name in ("state_check_every", "grad_check_every"):
+            if not _count(getattr(self, name)) or getattr(self, name) < 0:
+                raise ConfigError(name, f"must be an integer >= 0 steps (0 turns the checks off), "
+                                  f"got {getattr(self, name)!r}")
 
     @property
     def shards(self) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 
 from ray_elastic.checkpoint.snapshots import SnapshotStore
+from ray_elastic import ElasticConfig
+from ray_elastic.control.checking import Checks
 from ray_elastic.control.integrity import Divergence, StateChecks, spend_retry
 from ray_elastic.errors import RunFailed
 
@@ -248,10 +250,15 @@ def test_an_empty_store_has_no_restore_source(store):
     assert store.restore_source(alive, verified=True) is None
 
 
-# --- StateChecks.after_step / timing (drive the store) -----------------------
+# --- Checks.after_step (control/checking.py) / timing (drive the store) ------
+
+def _checks(state_every: int, events=None) -> Checks:
+    config = ElasticConfig(num_slices=2, state_check_every=state_every, grad_check_every=0)
+    return Checks(config, lambda name, **f: (events if events is not None else []).append((name, f)))
+
 
 def test_after_step_with_checks_off_verifies_every_step(store):
-    checks = StateChecks(every=0)
+    checks = _checks(0)
     for step in (2, 4):
         take(store, step)
         # Even differing prints are not compared with checks off.
@@ -261,7 +268,8 @@ def test_after_step_with_checks_off_verifies_every_step(store):
 
 
 def test_after_step_keeps_snapshots_until_a_check_agrees(store):
-    checks = StateChecks(every=4)
+    events: list = []
+    checks = _checks(4, events)
     plain = {(0, 0): m(), (1, 0): m()}
     agree = {(0, 0): m(GOOD), (1, 0): m(GOOD)}
     assert checks.after_step(1, plain, store) is None  # verified_through(0): the start
@@ -270,10 +278,11 @@ def test_after_step_keeps_snapshots_until_a_check_agrees(store):
     assert checks.after_step(3, plain, store) is None
     assert kept(store) == [2] and store.restore_source(alive, verified=True) is None
     assert checks.after_step(4, agree, store) is None
-    assert checks.verified == 4 and store.restore_source(alive, verified=True) == (2, "ref0@2")
+    assert checks.state.verified == 4 and store.restore_source(alive, verified=True) == (2, "ref0@2")
     take(store, 6)
     found = checks.after_step(8, {(0, 0): m(GOOD), (1, 0): m([1] * 4)}, store)
     assert found is not None and found.verified == 4 and found.named == ()
+    assert [name for name, _ in events] == ["diverged"] and events[0][1]["step"] == 8
     assert kept(store) == [2, 6]
     assert store.restore_source(alive, verified=True) == (2, "ref0@2")  # 6 may hold the corrupted state
     assert store.restore_source(alive) == (6, "ref0@6")

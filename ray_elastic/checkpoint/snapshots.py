@@ -40,6 +40,10 @@ import ray
 
 __all__ = ["SnapshotRecord", "SnapshotStore"]
 
+# Complete snapshots kept at most: the newest verified one and the newer
+# ones a check has not yet verified.
+_MAX_KEPT = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class SnapshotRecord:
@@ -134,10 +138,13 @@ class SnapshotStore:
         self._prune()
 
     def _prune(self) -> None:
-        """Drop the snapshots older than the newest verified one."""
+        """Drop the snapshots older than the newest verified one, and any
+        beyond the newest `_MAX_KEPT` (memory: checks that keep missing
+        must not pile snapshots up)."""
         verified = [i for i, p in enumerate(self._kept) if p.step <= self._verified]
         if verified:
             del self._kept[:verified[-1]]
+        del self._kept[:-_MAX_KEPT]
 
     def verified_through(self, step: int) -> None:
         """The replicas agreed on the state of `step`: snapshots of it or

@@ -86,6 +86,11 @@ class SliceBackend(Protocol):
     def corrupt(self, slice_id: int, host: int, target: str, lasting: bool) -> None:
         """Make the host flip a bit of its state or gradient (a `corrupt` fault)."""
 
+    def recompute(self, slice_id: int, step: int, shard: int) -> list:
+        """Have the slice compute shard `shard`'s gradient at step `step`
+        again (a cross-check): each host's fingerprint of it (refs, for
+        `fetch`), issued before the step's own calls."""
+
     def retire(self, slice_id: int) -> None:
         """Tear the slice's workers down (its placement group stays)."""
 

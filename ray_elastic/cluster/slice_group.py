@@ -86,7 +86,8 @@ class SliceProvisioner(Protocol):
     or a drop-in such as the scale benchmark's simulated slices."""
 
     def __init__(self, spec: SliceSpec, program_factory: Callable[[], TrainProgram], seed: int, num_shards: int,
-                 run_name: str, compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0): ...
+                 run_name: str, compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0,
+                 grad_check_every: int = 0): ...
 
     def start(self, slice_id: int) -> Provisioning:
         """Queue a slice's workers (on its placement group, made if new)."""
@@ -122,10 +123,11 @@ class RaySlices:
         compile_cache_dir: str = "",
         warm_workers: int = 0,
         state_check_every: int = 0,
+        grad_check_every: int = 0,
     ):
         self.spec = spec
         self._warm = warm_workers
-        self._check_every = state_check_every
+        self._checks = (state_check_every, grad_check_every)
         # The warm pool's set-up hook is part of the workers' runtime
         # environment, so the processes it keeps match the next replacement.
         self._env = {**worker_env(spec),
@@ -211,7 +213,7 @@ class RaySlices:
             slice_id=slice_id,
             workers=workers,
             info_refs=[w.info.remote() for w in workers],
-            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm, self._check_every) for w in workers],
+            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm, *self._checks) for w in workers],
             started_at=time.monotonic(),
         )
 

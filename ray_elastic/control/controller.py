@@ -43,7 +43,8 @@ from ray_elastic.observe.report import RunReport
 from ray_elastic.control.states import OpenFailure, RunState, Running, Stopping, Waiting, status
 from ray_elastic.checkpoint.snapshots import SnapshotStore
 from ray_elastic.control.snapshotting import Snapshotting
-from ray_elastic.control.integrity import StateChecks, roll_back, spend_retry
+from ray_elastic.control.checking import Checks
+from ray_elastic.control.integrity import roll_back, spend_retry
 from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.seams import Seams
 
@@ -115,7 +116,7 @@ class Controller:
         self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
         self.members: Optional[Membership] = None  # made by fit()
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
-        self._checks, self._diverged = StateChecks(config.state_check_every), None  # the step's Divergence
+        self._checks, self._diverged = Checks(config, self._event), None  # the step's Divergence
 
     # -- the loop ---------------------------------------------------------
 
@@ -224,7 +225,8 @@ class Controller:
             c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
             warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
-            heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every)
+            heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
+            grad_check_every=c.grad_check_every)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
@@ -361,7 +363,9 @@ class Controller:
                 self._event("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host,
                             step=k, phase=phase)
 
-        ahead = next_assignment(self._view(), self.config, k, self.steps, self._clock(), assignment)
+        ahead = None if self._checks.no_ahead(k + 1) else next_assignment(self._view(), c, k, self.steps,
+                                                                          self._clock(), assignment)
+        self._checks.issue(k, m.live, assignment, m.backend)
         result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead)
         self._complete_step(k, result, t_start)
 
@@ -495,7 +499,7 @@ class Controller:
         self.step = step
         self._step_durations = [0.0] * step  # steps done by an earlier run
         self._snapshotting.restart(step)
-        self._checks.restart(step)
+        self._checks.restart(step, cold=True)
         self._event("restore", source="checkpoint", step=step, cold_start=True)
 
     def _after_step(self) -> None:
@@ -504,17 +508,13 @@ class Controller:
             return self._saves.after_step(self.step)
         # Silent data corruption: the odd slice is evicted (its node never
         # used again) and the run rolls back to a verified snapshot (integrity.py).
-        self._event("diverged", step=found.step, named=[list(k) for k in found.named], verified=found.verified,
-                    detail=found.detail)
         if found.named:
             s, h = found.named[0]
             node = self.members.backend.hosts(s)[h]["node_id"]
             self._recover(SliceCorrupted(s, h, found.step - 1, found.detail), in_flight=False, evict=(node,))
         else:
             self.retries = spend_retry(found, self.retries, self.config.max_retries)
-        step = roll_back(self.members, self._snapshots, found, self._event)
-        for f in self._open:
-            f.restored_from = "snapshot" if step is not None else "pending"
+        step = roll_back(self.members, self._snapshots, found, self._event, self._open)
         if step is not None:
             self._rewind_to(step)
         elif not isinstance(self._state, Waiting):

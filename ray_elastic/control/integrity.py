@@ -16,7 +16,20 @@ shards, so they are compared host by host:
 
 A check that agrees verifies its step: a snapshot of that step or older
 is one no corrupted state had reached, and the rollback goes to the
-newest such snapshot. `StateChecks` is pure (the controller feeds it the
+newest such snapshot.
+
+A gradient computed wrong leaves the replicas equal (every slice applies
+the same mean), so every `grad_check_every` steps one shard's gradient is
+computed again by other slices (`GradChecks`): the slice that owns the
+shard rotates, and the next one or two live slices recompute it (two when
+three or more are live, so that a mismatch is settled at once by a
+majority of three computations, with no replay). A slice whose
+fingerprint differs is named; the rollback goes back to the newest
+snapshot no older than its last clean cross-check, since a persistent
+fault may have corrupted every gradient it sent since. With two live
+slices a mismatch names no one and is handled as an unnamed divergence.
+
+`StateChecks` and `GradChecks` are pure (the controller feeds them the
 step's metrics); `roll_back` carries the rollback out on the slices.
 """
 
@@ -28,7 +41,7 @@ from typing import Mapping, Optional
 
 from ray_elastic.errors import RunFailed
 
-__all__ = ["Divergence", "StateChecks", "roll_back", "spend_retry"]
+__all__ = ["CrossCheck", "Divergence", "GradChecks", "StateChecks", "roll_back", "spend_retry"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,13 +65,6 @@ class StateChecks:
         """The run goes on from `step` (a rollback, a cold start): a state
         every live slice loaded from one copy."""
         self.verified = step
-
-    def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots) -> Optional[Divergence]:
-        """Check the step (when checks are on) and tell the snapshot store
-        which snapshots are verified (every one, with checks off)."""
-        found = self.check(step, metrics) if self.every else None
-        snapshots.verified_through(self.verified if self.every else step)
-        return found
 
     @staticmethod
     def timing(metrics: Mapping[tuple[int, int], dict]) -> dict:
@@ -100,25 +106,101 @@ class StateChecks:
         return Divergence(step, tuple(sorted(odd)), self.verified, "; ".join(notes))
 
 
-def roll_back(members, snapshots, found: Divergence, event) -> Optional[int]:
+
+@dataclasses.dataclass(frozen=True)
+class CrossCheck:
+    """At step `step`, shard `shard` (of slice `owner`) is computed again
+    by the `checkers`."""
+
+    step: int
+    owner: int
+    shard: int
+    checkers: tuple[int, ...]
+
+
+class GradChecks:
+    def __init__(self, every: int, start_step: int = 0):
+        self.every = every  # 0: off
+        self._count = 0  # cross-checks planned: the rotation
+        self._clean: dict[int, int] = {}  # slice -> the last step its gradients matched
+        self._start = start_step
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step > 0 and step % self.every == 0
+
+    def plan(self, step: int, live: list, assignment: Mapping[int, tuple]) -> Optional[CrossCheck]:
+        """The cross-check of step `step` on these live slices, if due."""
+        live = sorted(live)
+        if not self.due(step) or len(live) < 2:
+            return None
+        i, n = self._count, len(live)
+        self._count += 1
+        owner = live[i % n]
+        if not assignment.get(owner):
+            return None
+        return CrossCheck(step, owner, assignment[owner][0], tuple(live[(i + j) % n] for j in (1, 2) if j < n))
+
+    def judge(self, check: CrossCheck, prints: Mapping[int, Optional[Mapping[int, int]]]) -> Optional[Divergence]:
+        """Compare the fingerprints of the shard's gradient, per slice
+        ({host: print} each; None: missed); None when they agree (every
+        slice compared is clean at the check's step) or too few came."""
+        votes = {s: tuple(sorted(p.items())) for s, p in prints.items() if p}
+        if len(votes) < 2:
+            return None
+        counts = collections.Counter(votes.values())
+        if len(counts) == 1:
+            for s in votes:
+                self._clean[s] = max(self._clean.get(s, self._start), check.step)
+            return None
+        top, n = counts.most_common(1)[0]
+        what = f"the gradient of shard {check.shard} at step {check.step}"
+        if 2 * n > len(votes):
+            odd = sorted(s for s, v in votes.items() if v != top)
+            named = tuple((s, next(h for (h, fp), (_, t) in zip(votes[s], top) if fp != t)) for s in odd)
+            detail = f"{what}: slice(s) {odd} differ from {n} of {len(votes)} computations"
+        else:
+            odd, named = sorted(votes), ()
+            detail = f"{what}: no majority among slices {sorted(votes)}"
+        return Divergence(check.step + 1, named, min(self.clean(s) for s in odd), detail)
+
+    def clean(self, slice_id: int) -> int:
+        """The last step slice's gradients matched (the run's start if none)."""
+        return self._clean.get(slice_id, self._start)
+
+    def floor(self, live) -> int:
+        """The oldest step a rollback may need: the live slices' last clean checks."""
+        return min((self.clean(s) for s in live), default=self._start)
+
+    def restart(self, step: int, cold: bool = False) -> None:
+        """The run goes on from `step` (`cold`: a cold start from a
+        checkpoint of it): checks past it are void."""
+        self._start = step if cold else min(self._start, step)
+        self._clean = {s: min(t, step) for s, t in self._clean.items()}
+
+
+def roll_back(members, snapshots, found: Divergence, event, failures=()) -> Optional[int]:
     """Load the newest verified snapshot into every live slice; its step.
     None when no verified snapshot survives: the snapshots past the
     verified step are dropped and every live slice is queued again, so the
     run goes back as after losing them all (to a checkpoint at or before
     it, else the initial state) and never keeps a state a corrupted slice
-    may have reached."""
+    may have reached. The open `failures` are marked restored from it."""
     got = snapshots.restore_source(members.backend.node_alive, verified=True)
     if got is None:
         snapshots.discard_after(found.verified)
         for s in sorted(members.live):
             members.lose(s)
         event("restore", source="pending", step=found.verified, reason="no verified snapshot")
+        for f in failures:
+            f.restored_from = "pending"
         return None
     step, ref = got
     if members.live:
         members.backend.load(sorted(members.live), ref, timeout_s=60.0)
     snapshots.discard_after(step)
     event("restore", source="snapshot", step=step, verified=True)
+    for f in failures:
+        f.restored_from = "snapshot"
     return step
 
 

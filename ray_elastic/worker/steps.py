@@ -22,7 +22,7 @@ import numpy as np
 
 from ray_elastic.worker.batches import BatchReader
 from ray_elastic.worker.exchange_stats import ExchangeStats
-from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, state_fingerprint
+from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, host_fingerprint, state_fingerprint
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
 from ray_elastic.worker.reduction import divided, eval_values, reduce_pieces, step_values
@@ -59,6 +59,10 @@ class SliceSteps:
         # Steps whose new state is fingerprinted (0: none): the controller
         # compares the replicas (control/integrity.py).
         self.check_every = 0
+        # Steps at which the gradients sent are fingerprinted (0: none), for
+        # the controller's cross-checks; the last such step's prints.
+        self.grad_check_every = 0
+        self._grad_prints: tuple[int, dict] = (-1, {})
         # A `corrupt` fault (SliceWorker.corrupt): "state" or "grads", and
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
@@ -95,6 +99,9 @@ class SliceSteps:
                                    else jax.tree.map(_host_value, g))
             if shard == shards[0] and self._corrupting("grads"):
                 out["grads"][shard] = flip_payload_bit(out["grads"][shard])
+            if self._grad_check_due(step):
+                self._grad_prints = (step, {**(self._grad_prints[1] if self._grad_prints[0] == step else {}),
+                                            shard: host_fingerprint(out["grads"][shard])})
             out["loss"][shard] = float(_host_value(total))
             out["weight"][shard] = w = float(_host_value(weight))
             out["aux"][shard] = {k: float(_host_value(v)) for k, v in aux.items()}
@@ -107,6 +114,33 @@ class SliceSteps:
         if not speaks:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": out["loss"]}, {**out, "from_slice": self._slice_id}
+
+    def recompute(self, step: int, shard: int) -> Optional[int]:
+        """A cross-check: the fingerprint of the gradient of `shard` at the
+        held state, computed again here as the slice that owns the shard
+        computes it; None if the state has moved past `step` (the check
+        is missed) or this host sends no gradient (a replicated slice's
+        hosts but 0, which still take part in the computation). Issued
+        before this step's own gradient call, on the same thread, so the
+        state cannot move while it runs."""
+        import jax
+
+        held, layout = self._held, self._layout
+        if step != held.step:
+            return None
+        held.ensure()
+        *_, g = self._compiled.grad(
+            held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)),
+            device_array(np.int32(step), layout.replicated), device_array(np.int32(shard), layout.replicated))
+        if not (layout.sharded or self._host == 0):
+            return None
+        payload = local_blocks(jax.tree.leaves(g)) if layout.sharded else jax.tree.map(_host_value, g)
+        if self.corrupt is not None and self.corrupt == ("grads", True):  # a chip gone bad computes this wrong too
+            payload = flip_payload_bit(payload)
+        return host_fingerprint(payload)
+
+    def _grad_check_due(self, step: int) -> bool:
+        return bool(self.grad_check_every) and step > 0 and step % self.grad_check_every == 0
 
     def _evaluate(self, step: int, shards: tuple[int, ...], speaks: bool) -> dict:
         """The eval of the held state on the held-out shards of `shards`:
@@ -165,6 +199,8 @@ class SliceSteps:
             held.params = flip_bit(held.params)
         self._exchange.count(parts)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
+        if self._grad_prints[0] == step:  # this step's gradients were fingerprinted: a cross-check's
+            metrics["grad_prints"] = dict(self._grad_prints[1])
         if self.check_every and (step + 1) % self.check_every == 0:
             # Every device's fingerprint of the shards it holds; under a
             # replicated layout they must all be equal.

@@ -1,0 +1,80 @@
+"""The controller's integrity checks (control/integrity.py): the state
+fingerprints compared after each checked step, and the gradient
+cross-checks issued before a step and judged after it. One `Divergence`
+per step at most comes back to the controller, which evicts the slice
+named and rolls back.
+
+A cross-check's recomputation is issued on the checking slices' compute
+thread before the step's own gradient calls, so it runs on the state of
+its step; the step before a cross-check is therefore not pipelined into
+it (`no_ahead`): a call issued ahead could run first and move the state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ray_elastic.config import ElasticConfig
+from ray_elastic.control.integrity import CrossCheck, Divergence, GradChecks, StateChecks
+
+__all__ = ["Checks"]
+
+_FETCH_S = 30.0  # a recomputation is done before its slice's gradients of the step: it is in by the step's end
+
+
+class Checks:
+    def __init__(self, config: ElasticConfig, event):
+        self._event = event  # a `diverged` event per divergence found
+        self.state = StateChecks(config.state_check_every)
+        self.grads = GradChecks(config.grad_check_every)
+        self._issued: Optional[tuple[CrossCheck, dict]] = None  # the cross-check in flight, its refs per slice
+        self._backend: Any = None
+
+    def no_ahead(self, step: int) -> bool:
+        """Whether step `step` must not be issued ahead (a cross-check's)."""
+        return self.grads.due(step)
+
+    def issue(self, step: int, live, assignment: Mapping[int, tuple], backend) -> None:
+        """Before step `step`'s calls: a due cross-check's recomputations."""
+        self._issued, self._backend = None, backend
+        check = self.grads.plan(step, sorted(live), assignment)
+        if check is not None:
+            self._issued = (check, {s: backend.recompute(s, step, check.shard) for s in check.checkers})
+
+    def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots) -> Optional[Divergence]:
+        """Step `step` is done (the state is that of `step`): compare; tell
+        the snapshot store which snapshots no corruption can have reached."""
+        found = self.state.check(step, metrics) if self.state.every else None
+        issued, self._issued = self._issued, None
+        if found is None and issued is not None and issued[0].step == step - 1:
+            found = self.grads.judge(issued[0], self._prints(issued, metrics))
+        live = {s for s, _ in metrics}
+        verified = self.state.verified if self.state.every else step
+        snapshots.verified_through(min(verified, self.grads.floor(live)) if self.grads.every else verified)
+        if found is not None:
+            self._event("diverged", step=found.step, named=[list(k) for k in found.named], verified=found.verified,
+                        detail=found.detail)
+        return found
+
+    def _prints(self, issued: tuple, metrics: Mapping[tuple[int, int], dict]) -> dict:
+        check, refs = issued
+        out: dict = {check.owner: {h: m["grad_prints"][check.shard] for (s, h), m in metrics.items()
+                                   if s == check.owner and check.shard in m.get("grad_prints", {})}}
+        for s, host_refs in refs.items():
+            try:
+                got = self._backend.fetch(host_refs, timeout_s=_FETCH_S)
+            except Exception:  # the checker was lost or late: the check is missed
+                continue
+            if got and got[0] is not None:  # None from host 0: the state had moved on, the check is missed
+                out[s] = {h: fp for h, fp in enumerate(got) if fp is not None}
+        return out
+
+    def restart(self, step: int, cold: bool = False) -> None:
+        """The run goes on from `step` (a rollback; `cold`: a cold start)."""
+        self._issued = None
+        self.state.restart(step)
+        self.grads.restart(step, cold)
+
+    @staticmethod
+    def timing(metrics: Mapping[tuple[int, int], dict]) -> dict:
+        return StateChecks.timing(metrics)
