@@ -11,12 +11,21 @@ One local cluster of 4 nodes, the example LM (`examples/lm.py`).
    seconds fingerprinting its state each step (worker-side, after the
    update is done): the check's own cost, less noisy than a difference of
    step times on a shared machine.
-2. `catch`: 3 slices under pause, a `corrupt` fault flipping one bit of
+2. `cross`: the gradient cross-checks' cost. 3 slices, the small model,
+   `grad_check_every=10` (to sample many checks in a short run): the
+   excess of a checked step (and of the step before it, not pipelined
+   into it) over the median step, per check, and what that is at the
+   default `grad_check_every=50`: excess / (50 x median step).
+3. `catch`: 3 slices under pause, a `corrupt` fault flipping one bit of
    slice 1's state at step 10 (the worker's real arrays, on one device):
    the step the divergence was found at against the step the fault fired,
    the slice named, the steps rolled back, seconds from the fault to the
    next step on the full mesh, and the final state against a failure-free
    run's (bitwise).
+4. `catch_grads`: the same with slice 1 flipping a bit of every gradient
+   it sends (or recomputes) from step 7 on (`grads+`), cross-checks every
+   3 steps: found by which check, named, rolled back past its last clean
+   check, bitwise equal.
 """
 
 from __future__ import annotations
@@ -33,13 +42,15 @@ from bench.common import ensure_nodes
 WARMUP = 4
 
 
-def _run(size: str, slices: int, steps: int, every: int, faults=(), keep=False, policy="pause") -> dict:
+def _run(size: str, slices: int, steps: int, every: int, faults=(), keep=False, policy="pause",
+         grad_every: int = 0) -> dict:
     import examples.lm as lm
     from ray_elastic import Callback, ElasticConfig, ElasticTrainer
 
     config = lm.PRESETS[size]
     factory = functools.partial(lm.make_program, config)
-    cfg = ElasticConfig(num_slices=slices, policy=policy, state_check_every=every, timeout_s=300.0,
+    cfg = ElasticConfig(num_slices=slices, policy=policy, state_check_every=every, grad_check_every=grad_every,
+                        timeout_s=300.0,
                         step_deadline_floor_s=120.0, first_step_deadline_s=600.0)
     checks: list = []
 
@@ -56,6 +67,7 @@ def _run(size: str, slices: int, steps: int, every: int, faults=(), keep=False, 
     out = {"size": size, "every": every, "wall_s": time.monotonic() - t0,
            "median_step_s": statistics.median(report.step_times[WARMUP:]),
            "median_check_s": statistics.median(checks) if checks else None,
+           "step_times": list(report.step_times),
            "failures": [dataclasses.asdict(f) for f in report.failures],
            "events": [e for e in report.events if e["event"] in ("fault", "diverged", "restore", "recovered")]}
     if keep:
@@ -81,12 +93,25 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
         for r in range(rounds):
             for every in (1, 0):
                 row = _run(size, 2, n if size == "small" else max(12, n // 2), every)
-                row.pop("events"), row.pop("failures")
+                row.pop("events"), row.pop("failures"), row.pop("step_times")
                 row["round"] = r
                 result["overhead"].append(row)
                 log(f"  {size} every={every} round {r}: median step {row['median_step_s']:.4f} s, "
                     f"check {row['median_check_s']}")
+    # 2. cross-checks: the excess of checked steps
+    every, n_cross = 10, 6 * 10 + 1
+    cross = _run("small", 3, n_cross, 0, grad_every=every)
+    times = cross["step_times"]
+    med = statistics.median(times[WARMUP:])
+    # step_times[k] is step k (0-based): checked at k % every == 0, and
+    # the step before it is not pipelined into it.
+    excess = [times[k] + times[k - 1] - 2 * med for k in range(every, len(times), every)]
+    result["cross"] = {"grad_check_every": every, "checks": len(excess), "median_step_s": med,
+                       "excess_per_check_s": statistics.median(excess),
+                       "overhead_at_50_pct": 100.0 * statistics.median(excess) / (50 * med)}
+    log(f"  cross: {json.dumps(result['cross'])}")
     fault_at, steps_c = 10, 24
+
     from ray_elastic import Fault
 
     ref = _run("small", 3, steps_c, 1, keep=True)
@@ -105,6 +130,18 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
         "bitwise_equal": _same(ref["final_state"], hit["final_state"]),
     }
     log(f"  catch: {json.dumps(result['catch'])}")
+    hit = _run("small", 3, steps_c, 1, keep=True, grad_every=3,
+               faults=(Fault("corrupt", 1, 7, target="grads+"),))
+    ev = hit["events"]
+    diverged = next(e for e in ev if e["event"] == "diverged")
+    result["catch_grads"] = {
+        "fault_step": 7, "grad_check_every": 3, "found_at_step": diverged["step"], "named": diverged["named"],
+        "detail": diverged["detail"], "last_clean_step": diverged["verified"],
+        "rolled_back_to": next((e["step"] for e in ev if e["event"] == "restore"), None),
+        "kinds": [f["kind"] for f in hit["failures"]],
+        "bitwise_equal": _same(ref["final_state"], hit["final_state"]),
+    }
+    log(f"  catch_grads: {json.dumps(result['catch_grads'])}")
     result["wall_s"] = time.monotonic() - t0
     return result
 
@@ -121,6 +158,7 @@ def summary(r: dict) -> dict:
             out[size] = {"median_step_on_s": m_on, "median_step_off_s": m_off,
                          "step_difference_pct": 100.0 * (m_on - m_off) / m_off,
                          "median_check_s": statistics.median(checks) if checks else None,
+           "step_times": list(report.step_times),
                          "check_pct_of_step": 100.0 * statistics.median(checks) / m_off if checks else None}
     return out
 
@@ -132,6 +170,13 @@ def table(r: dict) -> str:
     for size, s in summary(r).items():
         lines.append(f"| {size} | {s['median_step_on_s']:.4f} | {s['median_step_off_s']:.4f} | "
                      f"{s['step_difference_pct']:+.1f}% | {s['median_check_s']:.5f} | {s['check_pct_of_step']:.2f}% |")
+    x = r.get("cross")
+    if x:
+        lines += ["", f"### Gradient cross-checks (3 slices, one every {x['grad_check_every']} steps, "
+                  f"{x['checks']} checks)", "",
+                  "| median step (s) | excess per check (s, the checked step and the one before) | "
+                  "overhead at grad_check_every=50 |", "|---|---|---|",
+                  f"| {x['median_step_s']:.4f} | {x['excess_per_check_s']:.4f} | {x['overhead_at_50_pct']:.2f}% |"]
     c = r.get("catch")
     if c:
         lines += ["", "### A bit flipped in one slice's state (3 slices, pause)", "",
@@ -140,6 +185,13 @@ def table(r: dict) -> str:
                   "|---|---|---|---|---|---|---|---|",
                   f"| {c['fault_step']} | {c['found_at_step']} | {c['named']} | {c['rolled_back_to']} | "
                   f"{c['steps_rewound']} | {c['fault_to_found_s']} | {c['recovered_s']} | {c['bitwise_equal']} |"]
+    g = r.get("catch_grads")
+    if g:
+        lines += ["", "### A slice flipping a bit of every gradient it sends (3 slices, pause, cross-checks every 3 "
+                  "steps)", "", "| fault from step | found at step | named (slice, host) | last clean check | "
+                  "rolled back to | bitwise equal to failure-free |", "|---|---|---|---|---|---|",
+                  f"| {g['fault_step']} | {g['found_at_step']} | {g['named']} | {g['last_clean_step']} | "
+                  f"{g['rolled_back_to']} | {g['bitwise_equal']} |"]
     return "\n".join(lines)
 
 

@@ -293,3 +293,407 @@ def test_timing_is_the_slowest_host_s_fingerprint_seconds():
         "check_s": 1.5}
     assert StateChecks.timing({(0, 0): {"loss": 1.0}}) == {}
     assert StateChecks.timing({}) == {}
+
+
+# --- Gradient cross-checks (GradChecks: plan / judge / floor / restart) -------
+
+from ray_elastic.control import checking as _checking  # noqa: E402
+from ray_elastic.control.integrity import CrossCheck, GradChecks  # noqa: E402
+
+
+def _assign(live, shards_per_slice=1):
+    """slice -> its shards (slice s owns shards 10*s, 10*s + 1, ...)."""
+    return {s: tuple(10 * s + k for k in range(shards_per_slice)) for s in live}
+
+
+def _plans(checks, live, steps):
+    return [(c.owner, c.checkers) for c in (checks.plan(step, live, _assign(live)) for step in steps)]
+
+
+def test_grad_plan_rotates_owner_and_single_checker_with_two_live_slices():
+    checks = GradChecks(every=5)
+    assert _plans(checks, [0, 1], (5, 10, 15, 20)) == [(0, (1,)), (1, (0,)), (0, (1,)), (1, (0,))]
+
+
+def test_grad_plan_rotates_owner_and_two_checkers_with_three_live_slices():
+    checks = GradChecks(every=5)
+    plans = [checks.plan(step, [2, 0, 1], _assign([0, 1, 2])) for step in (5, 10, 15, 20)]  # live gets sorted
+    assert [(c.step, c.owner, c.shard, c.checkers) for c in plans] == [
+        (5, 0, 0, (1, 2)), (10, 1, 10, (2, 0)), (15, 2, 20, (0, 1)), (20, 0, 0, (1, 2))]
+    assert all(isinstance(c, CrossCheck) for c in plans)
+
+
+def test_grad_plan_rotates_with_four_live_slices_and_takes_the_owner_s_first_shard():
+    checks = GradChecks(every=3)
+    live = [3, 1, 0, 2]
+    plans = [checks.plan(step, live, _assign(live, shards_per_slice=2)) for step in (3, 6, 9, 12, 15)]
+    assert [(c.owner, c.shard, c.checkers) for c in plans] == [
+        (0, 0, (1, 2)), (1, 10, (2, 3)), (2, 20, (3, 0)), (3, 30, (0, 1)), (0, 0, (1, 2))]
+
+
+def test_grad_plan_uses_the_live_slices_ids_not_positions():
+    checks = GradChecks(every=1)
+    assert _plans(checks, [7, 3, 5], (1, 2, 3)) == [(3, (5, 7)), (5, (7, 3)), (7, (3, 5))]
+
+
+def test_grad_plan_is_not_due_off_schedule_and_does_not_advance_the_rotation():
+    checks = GradChecks(every=5)
+    live = [0, 1, 2]
+    assert not checks.due(0) and not checks.due(3) and checks.due(5) and checks.due(10) and not checks.due(11)
+    for step in (0, 1, 4, 6, 9):
+        assert checks.plan(step, live, _assign(live)) is None
+    assert checks.plan(5, live, _assign(live)).owner == 0  # the skipped steps did not move the rotation
+    assert checks.plan(10, [0], _assign([0])) is None  # one live slice: nothing to compare with
+    assert checks.plan(10, [], {}) is None
+    assert checks.plan(10, live, _assign(live)).owner == 1  # nor did the plans with too few slices
+
+
+def test_grad_plan_with_every_zero_is_never_due():
+    checks = GradChecks(every=0)
+    for step in (0, 1, 5, 50, 100):
+        assert not checks.due(step)
+        assert checks.plan(step, [0, 1, 2], _assign([0, 1, 2])) is None
+
+
+def test_grad_plan_owner_without_shards_is_no_check_and_the_rotation_moves_on():
+    checks = GradChecks(every=1)
+    live = [0, 1, 2]
+    assign = {0: (), 1: (10,), 2: (20,)}
+    assert checks.plan(1, live, assign) is None  # slice 0's turn, it holds no shard
+    assert checks.plan(2, live, {1: (10,), 2: (20,)}) == CrossCheck(2, 1, 10, (2, 0))  # missing entry too
+    assert checks.plan(3, live, {0: (0,), 1: (10,)}) is None  # slice 2 not in the assignment
+    assert checks.plan(4, live, assign) is None  # slice 0 again
+
+
+def test_grad_judge_all_agree_marks_every_compared_slice_clean():
+    checks = GradChecks(every=10)
+    live = [0, 1, 2]
+    assert checks.floor(live) == 0 and checks.clean(1) == 0
+    check = CrossCheck(10, 0, 0, (1, 2))
+    assert checks.judge(check, {0: {0: 5}, 1: {0: 5}, 2: {0: 5}}) is None
+    assert [checks.clean(s) for s in live] == [10, 10, 10] and checks.floor(live) == 10
+    assert checks.floor([0, 1, 2, 3]) == 0  # slice 3 never checked: the start
+    assert checks.floor([]) == 0
+    # An older check judged late does not move a clean step back.
+    assert checks.judge(CrossCheck(5, 1, 10, (2, 0)), {1: {0: 3}, 2: {0: 3}, 0: {0: 3}}) is None
+    assert checks.floor(live) == 10
+
+
+def test_grad_judge_three_computations_one_odd_owner_is_named():
+    checks = GradChecks(every=10)
+    assert checks.judge(CrossCheck(10, 0, 0, (1, 2)), {0: {0: 5}, 1: {0: 5}, 2: {0: 5}}) is None
+    found = checks.judge(CrossCheck(20, 1, 10, (2, 0)), {1: {0: 7}, 2: {0: 5}, 0: {0: 5}})
+    assert isinstance(found, Divergence)
+    assert found.step == 21 and found.named == ((1, 0),) and found.verified == 10
+    assert "slice(s) [1]" in found.detail and "2 of 3" in found.detail
+    assert "shard 10" in found.detail and "step 20" in found.detail
+    assert [checks.clean(s) for s in (0, 1, 2)] == [10, 10, 10]  # a divergence marks no one clean
+
+
+def test_grad_judge_odd_checker_is_named_with_its_own_clean_step():
+    checks = GradChecks(every=5, start_step=3)
+    # Slice 2 was last clean at 5 (with 0); slice 1 never: the start.
+    assert checks.judge(CrossCheck(5, 0, 0, (2,)), {0: {0: 1}, 2: {0: 1}}) is None
+    found = checks.judge(CrossCheck(10, 0, 0, (1, 2)), {0: {0: 4}, 1: {0: 4}, 2: {0: 9}})
+    assert found.named == ((2, 0),) and found.verified == 5 and found.step == 11
+    found = checks.judge(CrossCheck(10, 0, 0, (1, 2)), {0: {0: 4}, 1: {0: 8}, 2: {0: 4}})
+    assert found.named == ((1, 0),) and found.verified == 3
+
+
+def test_grad_judge_two_computations_that_differ_name_no_one():
+    checks = GradChecks(every=5)
+    assert checks.judge(CrossCheck(5, 0, 0, (1,)), {0: {0: 2}, 1: {0: 2}}) is None
+    found = checks.judge(CrossCheck(10, 1, 10, (0,)), {1: {0: 2}, 0: {0: 3}})
+    assert found is not None and found.named == () and found.step == 11 and found.verified == 5
+    assert "no majority among slices [0, 1]" in found.detail
+    assert checks.clean(0) == checks.clean(1) == 5
+
+
+def test_grad_judge_three_way_split_names_no_one_and_verified_is_the_oldest_clean():
+    checks = GradChecks(every=5)
+    checks.judge(CrossCheck(5, 0, 0, (1,)), {0: {0: 1}, 1: {0: 1}})  # 0 and 1 clean at 5; 2 at the start
+    found = checks.judge(CrossCheck(10, 0, 0, (1, 2)), {0: {0: 1}, 1: {0: 2}, 2: {0: 3}})
+    assert found.named == () and "no majority among slices [0, 1, 2]" in found.detail and found.verified == 0
+
+
+def test_grad_judge_a_missed_checker_leaves_two_to_compare():
+    checks = GradChecks(every=5)
+    check = CrossCheck(5, 0, 0, (1, 2))
+    assert checks.judge(check, {0: {0: 5}, 1: None, 2: {0: 5}}) is None
+    assert (checks.clean(0), checks.clean(1), checks.clean(2)) == (5, 0, 5)  # the missed one is not clean
+    assert checks.floor([0, 1, 2]) == 0 and checks.floor([0, 2]) == 5
+    found = checks.judge(CrossCheck(10, 0, 0, (1, 2)), {0: {0: 5}, 1: {}, 2: {0: 6}})  # {}: missed too
+    assert found is not None and found.named == () and "no majority among slices [0, 2]" in found.detail
+    assert found.verified == 5
+
+
+def test_grad_judge_with_fewer_than_two_prints_is_no_check():
+    checks = GradChecks(every=5, start_step=2)
+    check = CrossCheck(5, 0, 0, (1, 2))
+    assert checks.judge(check, {0: {0: 5}, 1: None, 2: None}) is None
+    assert checks.judge(check, {0: {0: 5}}) is None
+    assert checks.judge(check, {0: None, 1: {0: 9}, 2: {}}) is None
+    assert checks.judge(check, {}) is None
+    assert [checks.clean(s) for s in (0, 1, 2)] == [2, 2, 2] and checks.floor([0, 1, 2]) == 2
+
+
+def test_grad_judge_multi_host_prints_are_compared_as_a_whole_naming_the_differing_host():
+    checks = GradChecks(every=1)
+    check = CrossCheck(1, 0, 0, (1, 2))
+    good = {0: 1, 1: 2}
+    assert checks.judge(check, {0: dict(good), 1: {1: 2, 0: 1}, 2: dict(good)}) is None  # host order is moot
+    assert checks.floor([0, 1, 2]) == 1
+    found = checks.judge(CrossCheck(2, 1, 10, (2, 0)), {1: dict(good), 2: {0: 1, 1: 3}, 0: dict(good)})
+    assert found.named == ((2, 1),) and found.verified == 1
+    found = checks.judge(CrossCheck(3, 2, 20, (0, 1)), {2: dict(good), 0: {0: 7, 1: 8}, 1: dict(good)})
+    assert found.named == ((0, 0),)  # the first host that differs
+    # Two slices whose host 1 differs: the whole print differs, no majority.
+    found = checks.judge(CrossCheck(4, 0, 0, (1,)), {0: dict(good), 1: {0: 1, 1: 9}})
+    assert found.named == () and "no majority" in found.detail
+
+
+def test_grad_restart_clamps_clean_steps():
+    checks = GradChecks(every=5)
+    live = [0, 1, 2]
+    checks.judge(CrossCheck(20, 0, 0, (1, 2)), {s: {0: 1} for s in live})
+    assert checks.floor(live) == 20
+    checks.restart(15)
+    assert [checks.clean(s) for s in live] == [15, 15, 15] and checks.floor(live) == 15
+    checks.restart(25)  # a later step does not raise them
+    assert checks.floor(live) == 15
+    assert checks.clean(3) == 0 and checks.floor(live + [3]) == 0  # a warm restart keeps the start
+
+
+def test_grad_warm_restart_before_the_start_lowers_it():
+    checks = GradChecks(every=5, start_step=10)
+    checks.restart(4)
+    assert checks.clean(0) == 4 and checks.floor([0, 1]) == 4
+
+
+def test_grad_cold_restart_sets_the_start():
+    checks = GradChecks(every=5)
+    checks.restart(30, cold=True)
+    assert checks.clean(0) == 30 and checks.floor([0, 1, 2]) == 30
+    checks.judge(CrossCheck(40, 0, 0, (1, 2)), {s: {0: 1} for s in (0, 1, 2)})
+    assert checks.floor([0, 1, 2]) == 40
+    checks.restart(35, cold=True)
+    assert checks.floor([0, 1, 2]) == 35 and checks.clean(9) == 35
+    found = checks.judge(CrossCheck(40, 1, 10, (0,)), {1: {0: 1}, 0: {0: 2}})
+    assert found.verified == 35
+
+
+def test_grad_judge_odd_slice_missing_a_host_is_named_not_a_crash():
+    checks = GradChecks(every=1)
+    found = checks.judge(CrossCheck(1, 0, 0, (1, 2)), {0: {0: 5, 1: 6}, 1: {0: 5, 1: 6}, 2: {0: 5}})
+    assert found is not None and [s for s, _ in found.named] == [2]
+
+
+# --- Checks: issue / after_step with a fake backend ---------------------------
+
+class FakeBackend:
+    """recompute -> one token per host; fetch -> the prints set for those tokens
+    (a slice in `lost` raises, as a lost checker's ray.get would)."""
+
+    def __init__(self, hosts=1):
+        self.hosts = hosts
+        self.prints: dict = {}  # token -> fingerprint (None: the state had moved on)
+        self.lost: set = set()
+        self.recomputed: list = []
+        self.fetched: list = []
+
+    def recompute(self, slice_id, step, shard):
+        self.recomputed.append((slice_id, step, shard))
+        return [f"s{slice_id}h{h}@{step}" for h in range(self.hosts)]
+
+    def answer(self, slice_id, step, *fps):
+        for h, fp in enumerate(fps):
+            self.prints[f"s{slice_id}h{h}@{step}"] = fp
+
+    def fetch(self, refs, timeout_s):
+        self.fetched.append((list(refs), timeout_s))
+        if any(r.startswith(tuple(f"s{s}h" for s in self.lost)) for r in refs):
+            raise TimeoutError("lost")
+        return [self.prints[r] for r in refs]
+
+
+class FakeSnapshots:
+    def __init__(self):
+        self.calls: list = []
+
+    def verified_through(self, step):
+        self.calls.append(step)
+
+
+def _grad_checks(state_every=0, grad_every=10, num_slices=3):
+    events: list = []
+    config = ElasticConfig(num_slices=num_slices, state_check_every=state_every, grad_check_every=grad_every)
+    return Checks(config, lambda name, **f: events.append((name, f))), events
+
+
+def _step_metrics(live, owner=None, shard=None, fps=(), hosts=1, state_fp=None):
+    """(slice, host) -> metrics; the owner's hosts carry grad_prints[shard] = fps[host]."""
+    out = {}
+    for s in live:
+        for h in range(hosts):
+            mm = {"loss": 1.0}
+            if s == owner:
+                mm["grad_prints"] = {shard: fps[h]}
+            if state_fp is not None:
+                mm["fingerprint"], mm["replicated"] = list(state_fp), True
+            out[(s, h)] = mm
+    return out
+
+
+def test_checks_no_ahead_is_true_on_due_cross_check_steps_only():
+    checks, _ = _grad_checks(grad_every=10)
+    assert [s for s in range(0, 31) if checks.no_ahead(s)] == [10, 20, 30]
+    off, _ = _grad_checks(grad_every=0)
+    assert not any(off.no_ahead(s) for s in range(0, 31))
+
+
+def test_checks_issue_recomputes_on_the_checkers_only_when_due():
+    checks, _ = _grad_checks(grad_every=10)
+    backend = FakeBackend()
+    live = [0, 1, 2]
+    checks.issue(9, live, _assign(live), backend)
+    assert backend.recomputed == []
+    checks.issue(10, [2, 1, 0], _assign(live), backend)
+    assert backend.recomputed == [(1, 10, 0), (2, 10, 0)]
+    checks.issue(20, live, _assign(live), backend)
+    assert backend.recomputed[2:] == [(2, 20, 10), (0, 20, 10)]
+
+
+def test_checks_cycle_finds_a_corrupted_owner():
+    checks, events = _grad_checks(grad_every=10)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1, 2]
+    # Step 10: owner 0 (shard 0), checkers 1, 2, all agree.
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, 55)
+    backend.answer(2, 10, 55)
+    assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[55]), snaps) is None
+    assert backend.fetched and all(t == _checking._FETCH_S for _, t in backend.fetched)
+    assert snaps.calls == [10]  # min(step 11 with state checks off, the grads floor 10)
+    assert events == []
+    # Steps 11..19: nothing to judge; the floor stays at 10.
+    checks.issue(11, live, _assign(live), backend)
+    assert checks.after_step(12, _step_metrics(live), snaps) is None
+    assert snaps.calls == [10, 10]
+    # Step 20: owner 1 (shard 10), checkers 2, 0; the owner's gradient is wrong.
+    checks.issue(20, live, _assign(live), backend)
+    backend.answer(2, 20, 77)
+    backend.answer(0, 20, 77)
+    found = checks.after_step(21, _step_metrics(live, owner=1, shard=10, fps=[66]), snaps)
+    assert isinstance(found, Divergence)
+    assert found.step == 21 and found.named == ((1, 0),) and found.verified == 10
+    assert snaps.calls[-1] == 10
+    assert len(events) == 1 and events[0][0] == "diverged"
+    fields = events[0][1]
+    assert fields["step"] == 21 and fields["named"] == [[1, 0]] and fields["verified"] == 10
+    assert fields["detail"] == found.detail
+
+
+def test_checks_verified_through_is_the_min_of_state_and_grads():
+    checks, _ = _grad_checks(state_every=4, grad_every=10)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1, 2]
+    assert checks.after_step(8, _step_metrics(live, state_fp=GOOD), snaps) is None
+    assert checks.state.verified == 8 and snaps.calls == [0]  # the grads floor: nothing cross-checked yet
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, 3)
+    backend.answer(2, 10, 3)
+    assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[3]), snaps) is None
+    assert checks.grads.floor(live) == 10 and snaps.calls[-1] == 8  # the state check is older
+    assert checks.after_step(12, _step_metrics(live, state_fp=GOOD), snaps) is None
+    assert snaps.calls[-1] == 10  # now the cross-check is
+
+
+def test_checks_state_divergence_takes_precedence_over_the_cross_check():
+    checks, events = _grad_checks(state_every=1, grad_every=10)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1, 2]
+    checks.issue(10, live, _assign(live), backend)
+    metrics = _step_metrics(live, owner=0, shard=0, fps=[3], state_fp=GOOD)
+    metrics[(2, 0)]["fingerprint"] = [12, 12, 12, 12]
+    found = checks.after_step(11, metrics, snaps)
+    assert found.named == ((2, 0),) and found.step == 11 and backend.fetched == []
+    assert [n for n, _ in events] == ["diverged"]
+
+
+def test_checks_a_lost_checker_is_a_missed_check():
+    checks, events = _grad_checks(grad_every=10, num_slices=2)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1]
+    checks.issue(10, live, _assign(live), backend)
+    backend.lost.add(1)
+    assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[3]), snaps) is None
+    assert events == [] and snaps.calls == [0]
+    assert checks.grads.clean(0) == checks.grads.clean(1) == 0
+
+
+def test_checks_a_lost_checker_of_three_leaves_the_other_two_compared():
+    checks, events = _grad_checks(grad_every=10)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1, 2]
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, 3)
+    backend.lost.add(2)
+    assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[3]), snaps) is None
+    assert (checks.grads.clean(0), checks.grads.clean(1), checks.grads.clean(2)) == (10, 10, 0)
+    assert snaps.calls == [0] and events == []
+    # The same, but the one checker left disagrees: found, no one named.
+    checks.issue(20, live, _assign(live), backend)  # owner 1, checkers 2, 0
+    backend.lost = {0}
+    backend.answer(2, 20, 4)
+    found = checks.after_step(21, _step_metrics(live, owner=1, shard=10, fps=[5]), snaps)
+    assert found is not None and found.named == () and found.verified == 0  # slice 2 never clean
+    assert [n for n, _ in events] == ["diverged"] and events[0][1]["named"] == []
+
+
+def test_checks_a_checker_whose_host_0_answers_none_missed_the_check():
+    checks, events = _grad_checks(grad_every=10, num_slices=2)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1]
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, None)  # the state had moved on
+    assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[99]), snaps) is None
+    assert events == [] and checks.grads.floor(live) == 0
+
+
+def test_checks_multi_host_cycle_names_the_checker_s_differing_host():
+    checks, events = _grad_checks(grad_every=10)
+    backend, snaps = FakeBackend(hosts=2), FakeSnapshots()
+    live = [0, 1, 2]
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, 1, 2)
+    backend.answer(2, 10, 1, 9)
+    found = checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[1, 2], hosts=2), snaps)
+    assert found is not None and found.named == ((2, 1),) and events[0][1]["named"] == [[2, 1]]
+
+
+def test_checks_after_step_ignores_a_stale_cross_check():
+    checks, events = _grad_checks(grad_every=10)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1, 2]
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, 1)
+    backend.answer(2, 10, 1)
+    bad = _step_metrics(live, owner=0, shard=0, fps=[2])
+    assert checks.after_step(12, bad, snaps) is None  # not the step after the cross-check's
+    assert backend.fetched == [] and events == []
+    assert checks.after_step(11, bad, snaps) is None  # and the cross-check is gone
+    assert backend.fetched == [] and events == [] and checks.grads.floor(live) == 0
+
+
+def test_checks_restart_drops_the_issued_cross_check():
+    checks, events = _grad_checks(grad_every=10)
+    backend, snaps = FakeBackend(), FakeSnapshots()
+    live = [0, 1, 2]
+    checks.issue(10, live, _assign(live), backend)
+    backend.answer(1, 10, 1)
+    backend.answer(2, 10, 1)
+    checks.restart(10)
+    assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[2]), snaps) is None
+    assert backend.fetched == [] and events == []
+    checks.restart(40, cold=True)
+    assert checks.grads.floor(live) == 40 and checks.state.verified == 40

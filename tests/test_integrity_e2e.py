@@ -35,12 +35,20 @@ def _events(report, name):
     return [e for e in report.events if e["event"] == name]
 
 
-def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_factory):
+@pytest.fixture(scope="module")
+def ref3(cluster, lm_factory):
+    """A failure-free run on three slices (the checks change no number)."""
+    cluster.ensure_nodes(4)
+    ref, report = _run(lm_factory, ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0, grad_check_every=3))
+    assert not report.failures and not _events(report, "diverged")
+    return ref
+
+
+def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_factory, ref3):
     nodes(4)  # three slices and the evicted one's replacement
     config = ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0)
     assert config.state_check_every == 1
-    ref, ref_report = _run(lm_factory, config)
-    assert not ref_report.failures and not _events(ref_report, "diverged")
+    ref = ref3
 
     seen: dict = {}
     holder: dict = {}
@@ -68,6 +76,27 @@ def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_fa
     # The replacement is kept off the evicted host's node.
     assert seen.get("grow") and seen["grow"] != seen["fault"], seen
     _same(trainer.final_state, ref.final_state)
+
+
+def test_a_slice_corrupting_its_gradients_is_caught_by_a_cross_check(nodes, lm_factory, ref3):
+    """Wrong gradients leave the replicas equal: the cross-check every 3
+    steps (shard recomputed by the two other slices) names the slice, and
+    the rollback goes back past its last clean check."""
+    nodes(4)
+    config = ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0, grad_check_every=3)
+    fault_at = 7  # between checks: the first corrupted update lands before the check at step 9 sees it
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, fault_at, target="grads+"),))
+    assert report.steps_completed == STEPS
+    diverged = _events(report, "diverged")
+    assert diverged and diverged[0]["named"] == [[1, 0]] and "gradient of shard" in diverged[0]["detail"]
+    # Found within 2 * grad_check_every * slices steps of the fault.
+    assert fault_at < diverged[0]["step"] <= fault_at + 2 * 3 * 3, diverged[0]
+    assert diverged[0]["verified"] < fault_at + 1  # the last clean check came before the first bad gradient
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 1
+    restore = [e for e in _events(report, "restore") if e["source"] in ("snapshot", "pending")]
+    assert restore and restore[0]["step"] <= diverged[0]["verified"]
+    _same(trainer.final_state, ref3.final_state)
 
 
 def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):

@@ -156,7 +156,9 @@ class GradChecks:
         what = f"the gradient of shard {check.shard} at step {check.step}"
         if 2 * n > len(votes):
             odd = sorted(s for s, v in votes.items() if v != top)
-            named = tuple((s, next(h for (h, fp), (_, t) in zip(votes[s], top) if fp != t)) for s in odd)
+            want = dict(top)
+            named = tuple((s, min(h for h in {*dict(votes[s]), *want} if dict(votes[s]).get(h) != want.get(h)))
+                          for s in odd)
             detail = f"{what}: slice(s) {odd} differ from {n} of {len(votes)} computations"
         else:
             odd, named = sorted(votes), ()
