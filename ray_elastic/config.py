@@ -204,6 +204,14 @@ class ElasticConfig:
         the fingerprints compared, which catches a slice whose gradients
         are wrong (they leave the replicas equal). Default 50; 0 turns the
         cross-checks off.
+    straggler_factor / straggler_steps: a slice whose gradients take more
+        than factor times the other slices' median per shard, for that many
+        steps in a row, is a straggler: with a ready spare it is swapped
+        out at a step boundary (no step lost; its node not used again);
+        under resize without one it is taken out when the others alone are
+        faster (n / (n - 1) below its slowdown); otherwise it is reported
+        (event, metric, progress line). Defaults 1.3 and 10; a factor of 0
+        turns it off.
     spare_slices: standby slices reserved, started and compiled ahead of
         time (they hold no training state): on a failure a spare takes the
         failed slice's place at the next step boundary, and the failed
@@ -250,6 +258,8 @@ class ElasticConfig:
     heartbeat_timeout_s: float = 1.0
     state_check_every: int = 1
     grad_check_every: int = 50
+    straggler_factor: float = 1.3
+    straggler_steps: int = 10
     first_step_deadline_s: float = 120.0
     compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
     seed: int = 0
@@ -335,6 +345,11 @@ class ElasticConfig:
         if not _number(self.heartbeat_timeout_s) or self.heartbeat_timeout_s < 0:
             raise ConfigError("heartbeat_timeout_s", f"must be >= 0 seconds (0 turns heartbeats off), "
                               f"got {self.heartbeat_timeout_s!r}")
+        if not _number(self.straggler_factor) or not (self.straggler_factor == 0 or self.straggler_factor > 1):
+            raise ConfigError("straggler_factor", f"must be > 1 (times the other slices' time) or 0 (off), "
+                              f"got {self.straggler_factor!r}")
+        if not _count(self.straggler_steps) or self.straggler_steps < 1:
+            raise ConfigError("straggler_steps", f"must be an integer >= 1, got {self.straggler_steps!r}")
         for name in ("state_check_every", "grad_check_every"):
             if not _count(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(name, f"must be an integer >= 0 steps (0 turns the checks off), "

@@ -68,6 +68,7 @@ class FailureKind(str, enum.Enum):
     HUNG = "hung"  # no step finished within the step deadline
     PREEMPTED = "preempted"  # the node was drained with a preemption notice
     CORRUPTED = "corrupted"  # its state or math differs from the other replicas' (silent data corruption)
+    STRAGGLER = "straggler"  # it computed its shards slower than the others for many steps, and was swapped out
 
 
 class SliceFailure(ElasticError):
@@ -136,12 +137,23 @@ class SliceCorrupted(SliceFailure):
     kind = FailureKind.CORRUPTED
 
 
+class SliceStraggling(SliceFailure):
+    """The slice computed its gradients slower than the others by
+    `straggler_factor` for `straggler_steps` steps in a row, and is taken
+    out at a step boundary (a spare takes its place, or, under resize,
+    the others train on without it when that is faster): no step is lost.
+    Its node is not used again in the run."""
+
+    kind = FailureKind.STRAGGLER
+
+
 FAILURE_TYPES = {
     FailureKind.PROCESS_DIED: WorkerProcessDied,
     FailureKind.NODE_DIED: NodeDied,
     FailureKind.HUNG: WorkerHung,
     FailureKind.PREEMPTED: SlicePreempted,
     FailureKind.CORRUPTED: SliceCorrupted,
+    FailureKind.STRAGGLER: SliceStraggling,
 }
 
 

@@ -19,6 +19,7 @@ from ray_elastic.errors import (
     RunFailed,
     SliceFailure,
     SliceCorrupted,
+    SliceStraggling,
     SlicePreempted,
     WorkerHung,
     WorkerProcessDied,
@@ -105,7 +106,7 @@ def test_failure_kind_roundtrip(roundtrip):
 
 
 def test_slice_failure_kinds_distinct_and_cover_failure_kind():
-    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted, SliceCorrupted]
+    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted, SliceCorrupted, SliceStraggling]
     kinds = [c.kind for c in subclasses]
     assert len(set(kinds)) == len(kinds)
     assert set(kinds) == set(FailureKind)

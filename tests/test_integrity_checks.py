@@ -199,6 +199,21 @@ def test_verified_snapshots_are_kept_until_a_newer_one_is_verified(store):
     assert store.restore_source(alive, verified=True) == store.restore_source(alive) == (10, "ref0@10")
 
 
+def test_restore_source_at_most_a_step_and_at_most_four_kept(store):
+    """A rollback asks for the newest snapshot of its divergence's verified
+    step or older; snapshots nothing verifies are kept four at most."""
+    store.verified_through(0)
+    for step in (2, 4, 6, 8, 10):
+        take(store, step)
+    assert kept(store) == [4, 6, 8, 10]  # the oldest unverified one dropped: memory is bounded
+    assert store.restore_source(alive, at_most=7) == (6, "ref0@6")
+    assert store.restore_source(alive, at_most=3) is None
+    store.verified_through(9)
+    assert kept(store) == [8, 10]
+    assert store.restore_source(alive, verified=True, at_most=9) == (8, "ref0@8")
+    assert store.restore_source(alive, verified=True, at_most=5) is None  # 4 went once 8 was verified
+
+
 def test_restore_source_verified_takes_a_live_copy(store):
     store.verified_through(0)
     take(store, 2)

@@ -185,10 +185,11 @@ class SnapshotStore:
                 return next(iter(p.refs.values()))
         return None
 
-    def restore_source(self, node_alive: Callable[[str], bool],
-                       verified: bool = False) -> Optional[tuple[int, Any]]:
+    def restore_source(self, node_alive: Callable[[str], bool], verified: bool = False,
+                       at_most: Optional[int] = None) -> Optional[tuple[int, Any]]:
         """(step, object) to load the newest complete snapshot from (the
-        newest verified one, if `verified`).
+        newest verified one, if `verified`; of step `at_most` or older, if
+        given: a rollback past a corruption).
 
         Takes a copy on a node that is still alive (a killed worker process
         leaves its node's object store, and the copy, intact); falls back to
@@ -196,8 +197,9 @@ class SnapshotStore:
         """
         self._promote()
         c = self._complete
-        if verified:
-            c = next((p for p in reversed(self._kept) if p.step <= self._verified), None)
+        if verified or at_most is not None:
+            bound = min(self._verified if verified else math.inf, math.inf if at_most is None else at_most)
+            c = next((p for p in reversed(self._kept) if p.step <= bound), None)
         if c is None:
             return None
         for slice_id, ref in c.refs.items():

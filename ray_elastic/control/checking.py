@@ -1,8 +1,9 @@
-"""The controller's integrity checks (control/integrity.py): the state
-fingerprints compared after each checked step, and the gradient
-cross-checks issued before a step and judged after it. One `Divergence`
-per step at most comes back to the controller, which evicts the slice
-named and rolls back.
+"""The controller's checks of its slices' work: the state fingerprints
+compared after each checked step and the gradient cross-checks issued
+before a step and judged after it (control/integrity.py), and the slices'
+gradient times (control/stragglers.py). One finding per step at most
+comes back to the controller: a `Divergence` (the slice named is evicted
+and the run rolls back) or a `Straggler` to take out (no rollback).
 
 A cross-check's recomputation is issued on the checking slices' compute
 thread before the step's own gradient calls, so it runs on the state of
@@ -16,6 +17,7 @@ from typing import Any, Mapping, Optional
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.integrity import CrossCheck, Divergence, GradChecks, StateChecks
+from ray_elastic.control.stragglers import Straggler, Stragglers
 
 __all__ = ["Checks"]
 
@@ -24,7 +26,9 @@ _FETCH_S = 30.0  # a recomputation is done before its slice's gradients of the s
 
 class Checks:
     def __init__(self, config: ElasticConfig, event):
-        self._event = event  # a `diverged` event per divergence found
+        self._event = event  # a `diverged` or `straggler` event per finding
+        self._config = config
+        self.stragglers = Stragglers(config.straggler_factor, config.straggler_steps)
         self.state = StateChecks(config.state_check_every)
         self.grads = GradChecks(config.grad_check_every)
         self._issued: Optional[tuple[CrossCheck, dict]] = None  # the cross-check in flight, its refs per slice
@@ -41,9 +45,12 @@ class Checks:
         if check is not None:
             self._issued = (check, {s: backend.recompute(s, step, check.shard) for s in check.checkers})
 
-    def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots) -> Optional[Divergence]:
+    def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots,
+                   spare_ready: bool = False) -> Optional[Divergence | Straggler]:
         """Step `step` is done (the state is that of `step`): compare; tell
-        the snapshot store which snapshots no corruption can have reached."""
+        the snapshot store which snapshots no corruption can have reached;
+        look for a straggler (`spare_ready`: a ready slice could take its
+        place)."""
         found = self.state.check(step, metrics) if self.state.every else None
         issued, self._issued = self._issued, None
         if found is None and issued is not None and issued[0].step == step - 1:
@@ -54,7 +61,13 @@ class Checks:
         if found is not None:
             self._event("diverged", step=found.step, named=[list(k) for k in found.named], verified=found.verified,
                         detail=found.detail)
-        return found
+            return found
+        slow = self.stragglers.observe(step, metrics, spare_ready=spare_ready, policy=self._config.policy,
+                                       required=self._config.required_slices)
+        if slow is not None:
+            self._event("straggler", step=step, slice=slow.slice_id, host=slow.host, ratio=slow.ratio,
+                        steps=slow.steps, action=slow.action)
+        return slow if slow is not None and slow.action != "report" else None
 
     def _prints(self, issued: tuple, metrics: Mapping[tuple[int, int], dict]) -> dict:
         check, refs = issued

@@ -30,7 +30,7 @@ from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
 from ray_elastic.control.preflight import check_program
-from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceCorrupted, SliceFailure, SlicePreempted
+from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -116,7 +116,7 @@ class Controller:
         self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
         self.members: Optional[Membership] = None  # made by fit()
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
-        self._checks, self._diverged = Checks(config, self._event), None  # the step's Divergence
+        self._checks, self._found = Checks(config, self._event), None  # the step's Divergence or Straggler
 
     # -- the loop ---------------------------------------------------------
 
@@ -383,7 +383,7 @@ class Controller:
         self.step = k + 1
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
-        self._diverged = self._checks.after_step(self.step, result.metrics, self._snapshots)
+        self._found = self._checks.after_step(self.step, result.metrics, self._snapshots, bool(m.ready))
         if not recovered:
             return self._report_step(result, t_end - t_start, slices)
         self._state = Running(fresh=False)
@@ -503,16 +503,14 @@ class Controller:
         self._event("restore", source="checkpoint", step=step, cold_start=True)
 
     def _after_step(self) -> None:
-        found, self._diverged = self._diverged, None
-        if found is None:
+        found, self._found = self._found, None
+        failure = found.failure() if found is not None else None
+        if failure is not None:  # corrupted or a straggler: its node is not used again (checking.py)
+            node = self.members.backend.hosts(failure.slice_id)[failure.host]["node_id"]
+            self._recover(failure, in_flight=False, evict=(node,))
+        if found is None or not found.rolls_back:
             return self._saves.after_step(self.step)
-        # Silent data corruption: the odd slice is evicted (its node never
-        # used again) and the run rolls back to a verified snapshot (integrity.py).
-        if found.named:
-            s, h = found.named[0]
-            node = self.members.backend.hosts(s)[h]["node_id"]
-            self._recover(SliceCorrupted(s, h, found.step - 1, found.detail), in_flight=False, evict=(node,))
-        else:
+        if failure is None:  # a divergence no slice could be named for
             self.retries = spend_retry(found, self.retries, self.config.max_retries)
         step = roll_back(self.members, self._snapshots, found, self._event, self._open)
         if step is not None:

@@ -39,7 +39,7 @@ import collections
 import dataclasses
 from typing import Mapping, Optional
 
-from ray_elastic.errors import RunFailed
+from ray_elastic.errors import RunFailed, SliceCorrupted
 
 __all__ = ["CrossCheck", "Divergence", "GradChecks", "StateChecks", "roll_back", "spend_retry"]
 
@@ -54,6 +54,14 @@ class Divergence:
     named: tuple[tuple[int, int], ...]
     verified: int
     detail: str
+    rolls_back = True  # every live slice goes back to a verified snapshot
+
+    def failure(self) -> Optional[SliceCorrupted]:
+        """The failure that evicts the first slice named (None: none was)."""
+        if not self.named:
+            return None
+        s, h = self.named[0]
+        return SliceCorrupted(s, h, self.step - 1, self.detail)
 
 
 class StateChecks:
@@ -181,13 +189,14 @@ class GradChecks:
 
 
 def roll_back(members, snapshots, found: Divergence, event, failures=()) -> Optional[int]:
-    """Load the newest verified snapshot into every live slice; its step.
+    """Load the newest snapshot of `found.verified` or older (no corrupted
+    state or gradient can have reached it) into every live slice; its step.
     None when no verified snapshot survives: the snapshots past the
     verified step are dropped and every live slice is queued again, so the
     run goes back as after losing them all (to a checkpoint at or before
     it, else the initial state) and never keeps a state a corrupted slice
     may have reached. The open `failures` are marked restored from it."""
-    got = snapshots.restore_source(members.backend.node_alive, verified=True)
+    got = snapshots.restore_source(members.backend.node_alive, at_most=found.verified)
     if got is None:
         snapshots.discard_after(found.verified)
         for s in sorted(members.live):

@@ -23,7 +23,7 @@ Ray puts `ray_` in front of every application metric, so the names below
 | `ray_elastic_live_slices` | gauge | run | slices training now |
 | `ray_elastic_spare_slices` | gauge | run | hot spares ready to take a failed slice's place |
 | `ray_elastic_goodput` | gauge | run | time in kept steps / wall time so far |
-| `ray_elastic_failures_total` | counter | run, kind | failures by kind (process_died, node_died, hung, preempted, corrupted) |
+| `ray_elastic_failures_total` | counter | run, kind | failures by kind (process_died, node_died, hung, preempted, corrupted, straggler) |
 | `ray_elastic_rewound_steps_total` | counter | run | steps whose work was thrown away |
 | `ray_elastic_events_total` | counter | run, event | every timeline event, by name (checkpoints too) |
 | `ray_elastic_recovery_seconds` | histogram | run | fault -> next completed step, per failure |

@@ -150,6 +150,12 @@ class ProgressCallback(Callback):
                 named = ", ".join(f"slice {s} host {h}" for s, h in e.get("named") or []) or "no slice could be named"
                 lines.append(f"[{t:8.2f} s] the replicas' states differ at step {e.get('step')} ({named}): "
                              f"rolling back to a snapshot of step {e.get('verified')} or before")
+            elif name == "straggler":
+                important = True
+                what = {"swap": "swapping it for a spare", "remove": "training on without it"}.get(
+                    e.get("action"), "reported only (no spare to swap it for)")
+                lines.append(f"[{t:8.2f} s] slice {e.get('slice')} is a straggler ({_num(e.get('ratio'), '.2f')}x the "
+                             f"others' time for {e.get('steps')} steps): {what}")
             elif name == "rewind":
                 important = True
                 self._step = int(e.get("to_step", self._step))

@@ -63,6 +63,7 @@ class SliceSteps:
         # the controller's cross-checks; the last such step's prints.
         self.grad_check_every = 0
         self._grad_prints: tuple[int, dict] = (-1, {})
+        self._grads_time: tuple[int, float, int] = (-1, 0.0, 0)  # (step, seconds, shards) of the last gradients
         # A `corrupt` fault (SliceWorker.corrupt): "state" or "grads", and
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
@@ -80,6 +81,7 @@ class SliceSteps:
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for {step}")
         held.ensure()
+        t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
         speaks = layout.sharded or self._host == 0
@@ -109,6 +111,7 @@ class SliceSteps:
                 state = jax.tree.map(_host_value, state)
                 out["model_state"][shard] = (jax.tree.map(lambda a: a * np.asarray(w, a.dtype), state)
                                              if self._state_reduction == "weighted_mean" else state)
+        self._grads_time = (step, time.perf_counter() - t0, len(shards))
         if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
             out["eval"] = self._evaluate(step, shards, speaks)
         if not speaks:
@@ -199,6 +202,8 @@ class SliceSteps:
             held.params = flip_bit(held.params)
         self._exchange.count(parts)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
+        if self._grads_time[0] == step:  # for the controller's straggler detection
+            metrics["grads_s"], metrics["grads_shards"] = self._grads_time[1:]
         if self._grad_prints[0] == step:  # this step's gradients were fingerprinted: a cross-check's
             metrics["grad_prints"] = dict(self._grad_prints[1])
         if self.check_every and (step + 1) % self.check_every == 0:
