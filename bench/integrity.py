@@ -26,6 +26,13 @@ One local cluster of 4 nodes, the example LM (`examples/lm.py`).
    it sends (or recomputes) from step 7 on (`grads+`), cross-checks every
    3 steps: found by which check, named, rolled back past its last clean
    check, bitwise equal.
+5. `straggler`: 2 slices and a hot spare, the small model, slice 1 slowed
+   from step 10 by half the median step (a `slow` fault: +50% step time),
+   `straggler_steps` at its default: the step it was named at, the step
+   the spare took its place, the steps redone, and the run's throughput
+   (steps per second from its start to its end) against the same run with
+   straggler detection off, which keeps the slow slice all along (the
+   slow cluster without a failure).
 """
 
 from __future__ import annotations
@@ -72,6 +79,45 @@ def _run(size: str, slices: int, steps: int, every: int, faults=(), keep=False, 
            "events": [e for e in report.events if e["event"] in ("fault", "diverged", "restore", "recovered")]}
     if keep:
         out["final_state"] = trainer.final_state
+    return out
+
+
+def _straggler(log) -> dict:
+    import examples.lm as lm
+    from ray_elastic import ElasticConfig, ElasticTrainer, Fault
+
+    factory = functools.partial(lm.make_program, lm.PRESETS["small"])
+    base = _run("small", 2, 40, 0)
+    slow_ms = max(1, round(0.5 * base["median_step_s"] * 1000))
+    steps, slow_at = 100, 10
+    out: dict = {"median_step_s": base["median_step_s"], "slow_ms": slow_ms, "slow_from_step": slow_at}
+    for name, factor, spares in (("detected", 1.3, 1), ("kept_slow", 0.0, 0)):
+        holder: dict = {}
+
+        def spare_up_first(e, holder=holder):
+            if e["event"] == "start" and not e["spares"] and holder["spares"]:
+                m, deadline = holder["trainer"].members, time.monotonic() + 300
+                while 2 not in m.ready and time.monotonic() < deadline:
+                    m.poll(block_s=0.5)
+
+        holder["spares"] = spares
+        cfg = ElasticConfig(num_slices=2, policy="pause", spare_slices=spares, straggler_factor=factor,
+                            timeout_s=300.0, step_deadline_floor_s=120.0, first_step_deadline_s=600.0)
+        trainer = holder["trainer"] = ElasticTrainer(factory, cfg, steps, faults=(Fault("slow", 1, slow_at,
+                                                                                       ms=slow_ms),),
+                                                     on_event=spare_up_first)
+        report = trainer.fit()
+        ev = {e["event"]: e for e in report.events}
+        start_t = ev["start"]["t"]
+        row = {"steps_per_s": steps / (ev["end"]["t"] - start_t), "failures": [f.kind for f in report.failures],
+               "steps_rewound": [f.steps_rewound for f in report.failures]}
+        if "straggler" in ev:
+            row["named_at_step"] = ev["straggler"]["step"]
+            row["ratio"] = ev["straggler"]["ratio"]
+            row["action"] = ev["straggler"]["action"]
+            row["swapped_at_step"] = next((e["step"] for e in report.events if e["event"] == "grow"), None)
+        out[name] = row
+        log(f"  straggler {name}: {json.dumps(row)}")
     return out
 
 
@@ -142,6 +188,7 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
         "bitwise_equal": _same(ref["final_state"], hit["final_state"]),
     }
     log(f"  catch_grads: {json.dumps(result['catch_grads'])}")
+    result["straggler"] = _straggler(log)
     result["wall_s"] = time.monotonic() - t0
     return result
 
@@ -185,6 +232,16 @@ def table(r: dict) -> str:
                   "|---|---|---|---|---|---|---|---|",
                   f"| {c['fault_step']} | {c['found_at_step']} | {c['named']} | {c['rolled_back_to']} | "
                   f"{c['steps_rewound']} | {c['fault_to_found_s']} | {c['recovered_s']} | {c['bitwise_equal']} |"]
+    st = r.get("straggler")
+    if st:
+        d, k = st["detected"], st["kept_slow"]
+        lines += ["", f"### A straggler: slice 1 slowed by {st['slow_ms']} ms a step from step "
+                  f"{st['slow_from_step']} (median step {st['median_step_s']:.3f} s), 2 slices and a spare", "",
+                  "| run | named at step | ratio | action | spare in at step | steps redone | steps per second |",
+                  "|---|---|---|---|---|---|---|",
+                  f"| detected (default) | {d.get('named_at_step')} | {d.get('ratio')} | {d.get('action')} | "
+                  f"{d.get('swapped_at_step')} | {d['steps_rewound']} | {d['steps_per_s']:.2f} |",
+                  f"| detection off: the slow slice kept | | | | | | {k['steps_per_s']:.2f} |"]
     g = r.get("catch_grads")
     if g:
         lines += ["", "### A slice flipping a bit of every gradient it sends (3 slices, pause, cross-checks every 3 "
