@@ -72,9 +72,21 @@ def test_equal_trees_have_equal_host_fingerprints_and_signed_zero_differs():
     assert isinstance(host_fingerprint(make()), int) and 0 <= host_fingerprint(make()) < 2 ** 32
     # Bits, not values: -0.0 == 0.0 but their prints differ.
     assert host_fingerprint([np.array([0.0], np.float32)]) != host_fingerprint([np.array([-0.0], np.float32)])
-    # The leaves' order counts: the same arrays in swapped leaves differ.
+    # A sum of words: moved values are not what failing chips do, and are not told apart.
     x, y = np.arange(3, dtype=np.float32), np.arange(3, 6, dtype=np.float32)
-    assert host_fingerprint([x, y]) != host_fingerprint([y, x])
+    assert host_fingerprint([x, y]) == host_fingerprint([y, x])
+
+
+def test_small_and_large_arrays_alike_see_every_single_bit_flip():
+    """Arrays under 64 KiB are summed in one buffer, larger ones alone."""
+    big = np.linspace(-1, 1, 40_000, dtype=np.float32)  # 160 KB
+    small = np.arange(7, dtype=np.int8)  # 7 bytes: padded to two words
+    base = host_fingerprint([small, big])
+    for a, b, i in ((small, big, 6), (big, small, 39_999), (big, small, 20_000)):
+        for bit in (0, 7):
+            flipped = _with_bit_flipped(a, i, bit)
+            tree = [flipped, b] if a is small else [small, flipped]
+            assert host_fingerprint(tree) != base, (i, bit)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int32, np.float64, np.int8])
