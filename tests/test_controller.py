@@ -44,12 +44,14 @@ class FakeBackend:
         self.aheads: list[tuple[int, object]] = []  # (step, the next step's assignment it was given)
         self.silent: set = set()  # (step, slice) failures whose node does not answer
         self.new_groups: list[int] = []  # slices restarted on a new placement group
+        self.evicted: list[str] = []  # nodes a new group must keep off
 
-    def start(self, s, new_group=False):
+    def start(self, s, new_group=False, evict=()):
         self.retire(s)
         self.started.append(s)
         if new_group:
             self.new_groups.append(s)
+        self.evicted.extend(evict)
         self.coming[s] = self.clock.now + self.setup_s
 
     def poll(self, block_s=0.0):
@@ -360,6 +362,7 @@ def test_a_silent_node_s_slice_is_replaced_on_a_new_placement_group():
     report = trainer.fit()
     assert report.steps_completed == 12
     assert backend.new_groups == [1]
+    assert backend.evicted == ["node1"]  # the silent node: Ray counts it alive, no group may wait on it
     replaces = [e for e in report.events if e["event"] == "replace"]
     assert [(e["slice"], e.get("new_group", False)) for e in replaces] == [(1, True), (0, False)]
 

@@ -427,7 +427,7 @@ class Controller:
         # A silent (frozen) node keeps its bundle of the slice's placement
         # group until Ray declares it dead: the replacement gets a new group.
         new_group = f.node_silent
-        self.members.lose(f.slice_id, new_group=new_group, evict=evict)
+        self.members.lose(f.slice_id, new_group=new_group, evict=evict, host=f.host)
         if not self.members.live:  # the loss snapshots guard against: every slice at once
             self._snapshotting.all_lost(now)
         self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))

@@ -76,8 +76,16 @@ class Membership:
             extra = {"phases": dict(up.phases)} if getattr(up, "phases", None) else {}
             self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s, **extra)
 
-    def lose(self, slice_id: int, new_group: bool = False, evict: tuple = ()) -> None:
-        """A live slice failed: tear it down and queue its replacement."""
+    def lose(self, slice_id: int, new_group: bool = False, evict: tuple = (), host: Optional[int] = None) -> None:
+        """A live slice failed: tear it down and queue its replacement.
+        With `new_group` (host `host`'s node is silent: frozen or cut
+        off), that node is evicted too: Ray still counts it alive, and a
+        group placed on it would wait for Ray to declare it dead."""
+        if new_group and host is not None and not evict:
+            try:
+                evict = (self.backend.hosts(slice_id)[host]["node_id"],)
+            except (KeyError, IndexError, TypeError):  # hosts unknown: a new group, placed anywhere
+                pass
         self.live.discard(slice_id)
         self.backend.retire(slice_id)
         self.start(slice_id, new_group, evict)
