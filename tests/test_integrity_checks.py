@@ -12,6 +12,7 @@ import pytest
 from ray_elastic.checkpoint.snapshots import SnapshotStore
 from ray_elastic import ElasticConfig
 from ray_elastic.control.checking import Checks
+from ray_elastic.control.stragglers import Straggler, Stragglers
 from ray_elastic.control.integrity import Divergence, StateChecks, spend_retry
 from ray_elastic.errors import RunFailed
 
@@ -712,3 +713,79 @@ def test_checks_restart_drops_the_issued_cross_check():
     assert backend.fetched == [] and events == []
     checks.restart(40, cold=True)
     assert checks.grads.floor(live) == 40 and checks.state.verified == 40
+
+
+# --- Stragglers (control/stragglers.py) -------------------------------------
+
+def _times(**per_slice):
+    """(slice, host 0) -> metrics with grads_s for 2 shards each: s0=0.1 ..."""
+    return {(int(k[1:]), 0): {"grads_s": 2 * t, "grads_shards": 2} for k, t in per_slice.items()}
+
+
+def _observe(det, step, metrics, spare=False, policy="pause", required=1):
+    return det.observe(step, metrics, spare_ready=spare, policy=policy, required=required)
+
+
+def test_a_slice_slow_for_the_set_steps_is_named_once_with_its_action():
+    det = Stragglers(factor=1.3, steps=3)
+    assert _observe(det, 1, _times(s0=0.1, s1=0.2)) is None
+    assert _observe(det, 2, _times(s0=0.1, s1=0.2)) is None
+    found = _observe(det, 3, _times(s0=0.1, s1=0.2))
+    assert found == Straggler(3, 1, 0, 2.0, 3, "report")
+    assert found.failure() is None and found.rolls_back is False
+    # Reported once per slowdown: still slow, not again.
+    assert all(_observe(det, k, _times(s0=0.1, s1=0.2)) is None for k in range(4, 10))
+    # It recovers, then slows again: reported again after the set steps.
+    assert _observe(det, 10, _times(s0=0.1, s1=0.1)) is None
+    assert [_observe(det, k, _times(s0=0.1, s1=0.2)) is not None for k in (11, 12, 13)] == [False, False, True]
+
+
+def test_a_fast_step_resets_the_count():
+    det = Stragglers(factor=1.3, steps=3)
+    for k, s1 in enumerate((0.2, 0.2, 0.12, 0.2, 0.2), start=1):  # 0.12 is under 1.3x: the run restarts
+        assert _observe(det, k, _times(s0=0.1, s1=s1)) is None
+    assert _observe(det, 6, _times(s0=0.1, s1=0.2)) is not None
+
+
+def test_the_action_depends_on_spares_policy_and_what_is_faster():
+    def first(**kw):
+        det = Stragglers(factor=1.3, steps=1)
+        return _observe(det, 5, kw.pop("times"), **kw)
+
+    two = _times(s0=0.1, s1=0.15)  # 1.5x
+    four = _times(s0=0.1, s1=0.1, s2=0.1, s3=0.15)
+    assert first(times=two, spare=True).action == "swap"
+    assert first(times=two, policy="resize").action == "report"  # alone 2x slower than 1.5x: kept
+    assert first(times=four, policy="resize").action == "remove"  # 4/3 < 1.5: faster without it
+    assert first(times=four, policy="pause").action == "report"
+    assert first(times=four, policy="resize", required=4).action == "report"  # may not go below min slices
+    swap = first(times=two, spare=True)
+    failure = swap.failure()
+    assert failure.kind.value == "straggler" and (failure.slice_id, failure.host, failure.step) == (1, 0, 5)
+
+
+def test_time_per_shard_and_the_slowest_host_count():
+    det = Stragglers(factor=1.3, steps=1)
+    # Slice 1 computes 4 shards in 0.4 s: as fast per shard as slice 0's 2 in 0.2 s.
+    even = {(0, 0): {"grads_s": 0.2, "grads_shards": 2}, (1, 0): {"grads_s": 0.4, "grads_shards": 4}}
+    assert _observe(det, 1, even) is None
+    # A two-host slice is as slow as its slowest host, which is named.
+    hosts = {(0, 0): {"grads_s": 0.2, "grads_shards": 2}, (0, 1): {"grads_s": 0.2, "grads_shards": 2},
+             (1, 0): {"grads_s": 0.2, "grads_shards": 2}, (1, 1): {"grads_s": 0.6, "grads_shards": 2}}
+    found = _observe(det, 2, hosts)
+    assert (found.slice_id, found.host, found.ratio) == (1, 1, 3.0)
+
+
+def test_off_one_slice_or_no_times_is_nothing():
+    assert _observe(Stragglers(factor=0, steps=1), 1, _times(s0=0.1, s1=1.0)) is None
+    det = Stragglers(factor=1.3, steps=1)
+    assert _observe(det, 1, _times(s0=0.1)) is None
+    assert _observe(det, 2, {(0, 0): {"loss": 1.0}, (1, 0): {"loss": 1.0}}) is None
+
+
+def test_a_slice_gone_from_the_step_is_forgotten():
+    det = Stragglers(factor=1.3, steps=2)
+    assert _observe(det, 1, _times(s0=0.1, s1=0.2, s2=0.1)) is None
+    assert _observe(det, 2, _times(s0=0.1, s2=0.1)) is None  # slice 1 lost: its count dropped
+    assert _observe(det, 3, _times(s0=0.1, s1=0.2, s2=0.1)) is None  # its replacement starts from 0
+    assert _observe(det, 4, _times(s0=0.1, s1=0.2, s2=0.1)) is not None

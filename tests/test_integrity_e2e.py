@@ -78,12 +78,13 @@ def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_fa
     _same(trainer.final_state, ref.final_state)
 
 
-def test_a_slice_corrupting_its_gradients_is_caught_by_a_cross_check(nodes, lm_factory, ref3):
+@pytest.mark.parametrize("policy", ["pause", pytest.param("resize", marks=pytest.mark.slow)])
+def test_a_slice_corrupting_its_gradients_is_caught_by_a_cross_check(nodes, lm_factory, ref3, policy):
     """Wrong gradients leave the replicas equal: the cross-check every 3
     steps (shard recomputed by the two other slices) names the slice, and
     the rollback goes back past its last clean check."""
     nodes(4)
-    config = ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0, grad_check_every=3)
+    config = ElasticConfig(num_slices=3, policy=policy, timeout_s=120.0, grad_check_every=3)
     fault_at = 7  # between checks: the first corrupted update lands before the check at step 9 sees it
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, fault_at, target="grads+"),))
     assert report.steps_completed == STEPS

@@ -74,6 +74,7 @@ def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, re
     _same(trainer.final_state, ref2)
 
 
+@pytest.mark.slow  # the decision is unit-tested (test_integrity_checks.py); the swap above runs the path
 def test_a_straggler_with_nothing_better_is_reported_only(nodes, lm_factory, ref2):
     nodes(2)
     config = ElasticConfig(num_slices=2, policy="pause", straggler_steps=AFTER)
