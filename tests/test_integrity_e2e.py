@@ -7,10 +7,11 @@ and nothing to tell them apart, the run rolls back without evicting."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+
+from tests.run_checks import assert_same_state, events
 
 pytestmark = pytest.mark.cluster
 
@@ -23,24 +24,12 @@ def _run(factory, config, faults=()):
     return trainer, trainer.fit()
 
 
-def _same(a, b) -> None:
-    import jax
-
-    assert a["step"] == b["step"] == STEPS
-    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
-        np.testing.assert_array_equal(x, y)
-
-
-def _events(report, name):
-    return [e for e in report.events if e["event"] == name]
-
-
 @pytest.fixture(scope="module")
 def ref3(cluster, lm_factory):
     """A failure-free run on three slices (the checks change no number)."""
     cluster.ensure_nodes(4)
     ref, report = _run(lm_factory, ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0, grad_check_every=3))
-    assert not report.failures and not _events(report, "diverged")
+    assert not report.failures and not events(report, "diverged")
     return ref
 
 
@@ -62,7 +51,7 @@ def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_fa
         on_event=node_of_slice_1)
     report = trainer.fit()
     assert report.steps_completed == STEPS
-    [diverged] = _events(report, "diverged")
+    [diverged] = events(report, "diverged")
     # The bit flips in the state the fault step's apply (or, if the fault
     # landed after it, the next one) makes: found at that very step.
     assert diverged["step"] in (FAULT_AT + 1, FAULT_AT + 2), diverged
@@ -70,12 +59,12 @@ def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_fa
     [f] = report.failures
     assert f.kind == "corrupted" and f.slice == 1
     assert f.restored_from == "snapshot"
-    restore = [e for e in _events(report, "restore") if e.get("verified")][-1]
+    restore = [e for e in events(report, "restore") if e.get("verified")][-1]
     assert restore["step"] <= diverged["verified"] == diverged["step"] - 1
     assert f.steps_rewound == diverged["step"] - restore["step"]
     # The replacement is kept off the evicted host's node.
     assert seen.get("grow") and seen["grow"] != seen["fault"], seen
-    _same(trainer.final_state, ref.final_state)
+    assert_same_state(trainer.final_state, ref.final_state, STEPS)
 
 
 @pytest.mark.parametrize("policy", ["pause", pytest.param("resize", marks=pytest.mark.slow)])
@@ -88,16 +77,16 @@ def test_a_slice_corrupting_its_gradients_is_caught_by_a_cross_check(nodes, lm_f
     fault_at = 7  # between checks: the first corrupted update lands before the check at step 9 sees it
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, fault_at, target="grads+"),))
     assert report.steps_completed == STEPS
-    diverged = _events(report, "diverged")
+    diverged = events(report, "diverged")
     assert diverged and diverged[0]["named"] == [[1, 0]] and "gradient of shard" in diverged[0]["detail"]
     # Found within 2 * grad_check_every * slices steps of the fault.
     assert fault_at < diverged[0]["step"] <= fault_at + 2 * 3 * 3, diverged[0]
     assert diverged[0]["verified"] < fault_at + 1  # the last clean check came before the first bad gradient
     [f] = report.failures
     assert f.kind == "corrupted" and f.slice == 1
-    restore = [e for e in _events(report, "restore") if e["source"] in ("snapshot", "pending")]
+    restore = [e for e in events(report, "restore") if e["source"] in ("snapshot", "pending")]
     assert restore and restore[0]["step"] <= diverged[0]["verified"]
-    _same(trainer.final_state, ref3.final_state)
+    assert_same_state(trainer.final_state, ref3.final_state, STEPS)
 
 
 def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):
@@ -105,12 +94,12 @@ def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):
     config = ElasticConfig(num_slices=2, policy="resize")
     ref, _ = _run(lm_factory, config)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 0, FAULT_AT, target="state"),))
-    [diverged] = _events(report, "diverged")
+    [diverged] = events(report, "diverged")
     assert diverged["named"] == [] and "no majority" in diverged["detail"]
     assert not report.failures  # nothing to evict: the flip was once, and the rollback undid it
-    restore = [e for e in _events(report, "restore") if e.get("verified")][-1]
+    restore = [e for e in events(report, "restore") if e.get("verified")][-1]
     assert restore["step"] <= diverged["verified"] < diverged["step"]
-    _same(trainer.final_state, ref.final_state)
+    assert_same_state(trainer.final_state, ref.final_state, STEPS)
 
 
 @pytest.mark.slow
@@ -121,8 +110,8 @@ def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
     config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=2))
     ref, _ = _run(lm_factory, config)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
-    [diverged] = _events(report, "diverged")
+    [diverged] = events(report, "diverged")
     assert diverged["named"] == [[1, 0]] and "devices hold different bits" in diverged["detail"]
     [f] = report.failures
     assert f.kind == "corrupted" and f.restored_from == "snapshot"
-    _same(trainer.final_state, ref.final_state)
+    assert_same_state(trainer.final_state, ref.final_state, STEPS)

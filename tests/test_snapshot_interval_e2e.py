@@ -7,11 +7,11 @@ equal to a failure-free run. Snapshots are copied off the step's path.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from ray_elastic import ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.control.snapshot_schedule import PROBE_STEP
+from tests.run_checks import assert_same_state
 
 pytestmark = pytest.mark.cluster
 
@@ -23,14 +23,6 @@ MTBF_S = 20.0  # interval sqrt(2 C M): a few steps of the small LM here
 def _run(factory, config, faults=()):
     trainer = ElasticTrainer(factory, config, STEPS, faults=faults, keep_final_state=True)
     return trainer, trainer.fit()
-
-
-def _same(a, b) -> None:
-    import jax
-
-    assert a["step"] == b["step"]
-    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
-        np.testing.assert_array_equal(x, y)
 
 
 def test_every_slice_lost_redoes_at_most_the_stated_steps(nodes, lm_factory):
@@ -55,4 +47,4 @@ def test_every_slice_lost_redoes_at_most_the_stated_steps(nodes, lm_factory):
     assert [f.restored_from for f in report.failures][-1] == "snapshot"
     redone = max(f.steps_rewound for f in report.failures)
     assert 1 <= redone <= stated, (redone, stated)
-    _same(trainer.final_state, ref.final_state)
+    assert_same_state(trainer.final_state, ref.final_state, STEPS)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from ray_elastic import ElasticConfig, ElasticTrainer, Fault
+
+from tests.run_checks import assert_same_state, events
 
 pytestmark = pytest.mark.cluster
 
@@ -23,24 +24,12 @@ SLOW_MS = 400  # several times the small LM's gradient time per step here
 AFTER = 4  # straggler_steps
 
 
-def _same(a, b) -> None:
-    import jax
-
-    assert a["step"] == b["step"] == STEPS
-    for x, y in zip(jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))):
-        np.testing.assert_array_equal(x, y)
-
-
-def _events(report, name):
-    return [e for e in report.events if e["event"] == name]
-
-
 @pytest.fixture(scope="module")
 def ref2(cluster, lm_factory):
     cluster.ensure_nodes(2)
     trainer = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), STEPS, keep_final_state=True)
     report = trainer.fit()
-    assert not report.failures and not _events(report, "straggler")
+    assert not report.failures and not events(report, "straggler")
     return trainer.final_state
 
 
@@ -62,16 +51,16 @@ def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, re
         on_event=spare_up_first)
     report = trainer.fit()
     assert report.steps_completed == STEPS
-    [slow] = _events(report, "straggler")
+    [slow] = events(report, "straggler")
     assert slow["slice"] == 1 and slow["action"] == "swap" and slow["ratio"] > config.straggler_factor
     # Named after AFTER slow steps (the fault may land a step late).
     assert SLOW_AT + AFTER <= slow["step"] <= SLOW_AT + AFTER + 2, slow
     [f] = report.failures
     assert f.kind == "straggler" and f.slice == 1 and f.steps_rewound == 0
-    grow = next(e for e in _events(report, "grow") if 2 in e["joined"])
+    grow = next(e for e in events(report, "grow") if 2 in e["joined"])
     assert grow["step"] == slow["step"]  # the spare took its place at that step boundary
-    assert not _events(report, "rewind")
-    _same(trainer.final_state, ref2)
+    assert not events(report, "rewind")
+    assert_same_state(trainer.final_state, ref2, STEPS)
 
 
 @pytest.mark.slow  # the decision is unit-tested (test_integrity_checks.py); the swap above runs the path
@@ -81,10 +70,10 @@ def test_a_straggler_with_nothing_better_is_reported_only(nodes, lm_factory, ref
     trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("slow", 1, SLOW_AT, ms=SLOW_MS),),
                              keep_final_state=True)
     report = trainer.fit()
-    [slow] = _events(report, "straggler")
+    [slow] = events(report, "straggler")
     assert slow["slice"] == 1 and slow["action"] == "report"
     assert not report.failures  # waited for: still the same run
-    _same(trainer.final_state, ref2)
+    assert_same_state(trainer.final_state, ref2, STEPS)
 
 
 @pytest.mark.slow
@@ -94,9 +83,9 @@ def test_under_resize_a_straggler_slower_than_training_without_it_is_taken_out(n
     trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("slow", 1, SLOW_AT, ms=SLOW_MS),),
                              keep_final_state=True)
     report = trainer.fit()
-    [slow] = _events(report, "straggler")
+    [slow] = events(report, "straggler")
     assert slow["action"] == "remove" and slow["ratio"] > 2  # 2 slices: alone is faster above 2x
     [f] = report.failures
     assert f.kind == "straggler" and f.steps_rewound == 0
-    assert _events(report, "shrink")
-    _same(trainer.final_state, ref2)
+    assert events(report, "shrink")
+    assert_same_state(trainer.final_state, ref2, STEPS)
