@@ -180,6 +180,8 @@ def run_demo(args, cluster, config, checkpoint, faults, factory, console, node_s
             print(f"  [{e['t']:7.2f} s] {name}: " + ", ".join(f"{k}={v}" for k, v in e.items() if k not in ("t", "event")), file=out)
         if name == "fault" and e["kind"] in ("remove_node", "freeze_node"):
             lost_node["pending"] = True
+        if name == "detected" and e["kind"] in ("corrupted", "straggler"):  # its node is evicted: a new one is needed
+            lost_node["pending"] = True
         # The replacement node, as a cloud's autoscaler adds one, is started
         # by this process's main thread (Ray starts local nodes only there),
         # never by the controller's: at once when the run waits for it, and
