@@ -5,7 +5,7 @@ One local cluster of 4 nodes, the example LM (`examples/lm.py`).
 
 1. `overhead`: per model size (`small`, the example's default, and
    `large`: examples/lm.py PRESETS), 2 slices of one host, alternated
-   runs with `state_check_every=1` (every step, the default) and 0 (off),
+   runs with `state_check_every=1` (every step; the default is 10) and 0 (off),
    everything else default. Per run the median step after the warm-up;
    per checked run also the median of `check_s`, the slowest host's
    seconds fingerprinting its state each step (worker-side, after the

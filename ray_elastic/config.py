@@ -194,8 +194,9 @@ class ElasticConfig:
         long instead of at the step deadline (failures/heartbeats.py).
         0 turns heartbeats off.
     state_check_every: every this many steps each device fingerprints the
-        state it holds and the controller compares the replicas (default 1:
-        every step). A slice whose state differs from the others' is
+        state it holds and the controller compares the replicas (default
+        10: a checked step's apply waits for its update and reads the state
+        once, about 1% of the run at this interval; 1 checks every step). A slice whose state differs from the others' is
         evicted as corrupted and the run rolls back to the newest snapshot
         the replicas agreed on (control/integrity.py, docs/integrity.md).
         0 turns the checks off.
@@ -256,7 +257,7 @@ class ElasticConfig:
     step_deadline_floor_s: float = 10.0
     step_deadline_factor: float = 10.0
     heartbeat_timeout_s: float = 1.0
-    state_check_every: int = 1
+    state_check_every: int = 10
     grad_check_every: int = 50
     straggler_factor: float = 1.3
     straggler_steps: int = 10

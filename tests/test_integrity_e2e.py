@@ -35,8 +35,7 @@ def ref3(cluster, lm_factory):
 
 def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_factory, ref3):
     nodes(4)  # three slices and the evicted one's replacement
-    config = ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0)
-    assert config.state_check_every == 1
+    config = ElasticConfig(num_slices=3, policy="pause", timeout_s=120.0, state_check_every=1)
     ref = ref3
 
     seen: dict = {}
@@ -91,7 +90,7 @@ def test_a_slice_corrupting_its_gradients_is_caught_by_a_cross_check(nodes, lm_f
 
 def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):
     nodes(2)
-    config = ElasticConfig(num_slices=2, policy="resize")
+    config = ElasticConfig(num_slices=2, policy="resize", state_check_every=1)
     ref, _ = _run(lm_factory, config)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 0, FAULT_AT, target="state"),))
     [diverged] = events(report, "diverged")
@@ -107,7 +106,8 @@ def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
     """A replicated slice's devices hold the same bits: one flipped on one
     device names its slice, even with two slices."""
     nodes(3)
-    config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=2))
+    config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=2),
+                           state_check_every=1)
     ref, _ = _run(lm_factory, config)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
     [diverged] = events(report, "diverged")

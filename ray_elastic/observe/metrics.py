@@ -47,7 +47,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from ray_elastic.callbacks import Callback, RunStatus
+from ray_elastic.callbacks import CONTROLLER_STEP_KEYS, Callback, RunStatus
 
 __all__ = ["MetricsCallback", "STATES", "STATE_CODES", "PROMETHEUS_PREFIX"]
 
@@ -65,7 +65,7 @@ RECOVERY_BUCKETS_S = [0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800]
 # and tell their series apart by the `run` tag.
 _METRICS: Optional[dict] = None
 # Step metrics with gauges of their own; the others are the program's (elastic_train_metric).
-OWN_STEP_KEYS = ("loss", "slices", "step_s")
+OWN_STEP_KEYS = CONTROLLER_STEP_KEYS
 _METRICS_LOCK = threading.Lock()
 
 

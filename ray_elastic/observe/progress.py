@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any, Callable, Optional, TextIO
 
-from ray_elastic.callbacks import Callback, Phase, RunStatus
+from ray_elastic.callbacks import CONTROLLER_STEP_KEYS, Callback, Phase, RunStatus
 
 __all__ = ["ProgressCallback", "step_line"]
 
@@ -47,7 +47,7 @@ def step_line(step: int, total: int, metrics: dict) -> str:
     """A completed step as one log line: loss, the program's metrics (and
     evals) by name, live slices."""
     named = "".join(f"  {k} {_num(v, '.4g')}" for k, v in metrics.items()
-                    if k not in ("loss", "slices", "step_s") and isinstance(v, (int, float)))
+                    if k not in CONTROLLER_STEP_KEYS and isinstance(v, (int, float)))
     return f"step {step:5d}/{total}  loss {_num(metrics['loss'], '.4f')}{named}  slices {metrics['slices']}"
 
 
@@ -190,7 +190,7 @@ class ProgressCallback(Callback):
         with self._lock:
             self._step = step
             self._loss = metrics.get("loss")
-            self._named.update({k: v for k, v in metrics.items() if k not in ("loss", "slices", "step_s")
+            self._named.update({k: v for k, v in metrics.items() if k not in CONTROLLER_STEP_KEYS
                                 and isinstance(v, (int, float)) and not isinstance(v, bool)})
             self._slices = metrics.get("slices", self._slices)
             self._step_s = metrics.get("step_s")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ray_elastic.callbacks import Callback
+from ray_elastic.callbacks import CONTROLLER_STEP_KEYS, Callback
 from ray_elastic.observe.report import FailureRecord, RunReport
 
 __all__ = ["ReportRecorder"]
@@ -70,5 +70,5 @@ class ReportRecorder(Callback):
         r.losses.append(metrics["loss"])
         r.step_times.append(metrics["step_s"])
         r.slices_per_step.append(metrics["slices"])
-        r.metrics_per_step.append({k: v for k, v in metrics.items() if k not in ("loss", "slices", "step_s")})
+        r.metrics_per_step.append({k: v for k, v in metrics.items() if k not in CONTROLLER_STEP_KEYS})
         r.final_loss = metrics["loss"]
