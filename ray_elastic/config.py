@@ -191,8 +191,9 @@ class ElasticConfig:
         computing is pinged on a thread of its own (a healthy worker answers
         however long its step); one that leaves a ping unanswered this long
         is hung (a stopped process, a frozen node), found in about this
-        long instead of at the step deadline (failures/heartbeats.py).
-        0 turns heartbeats off.
+        long instead of at the step deadline (failures/heartbeats.py); in a
+        new process's first step, while it compiles, 15 s or this,
+        whichever is longer. 0 turns heartbeats off.
     state_check_every: every this many steps each device fingerprints the
         state it holds and the controller compares the replicas (default
         10: a checked step's apply waits for its update and reads the state

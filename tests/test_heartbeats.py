@@ -49,40 +49,40 @@ def _beats(timeout_s=1.0):
 def test_pings_go_only_to_waiting_slices():
     beats, clock, pings = _beats()
     live = _live()
-    assert beats.quiet(live, {1}) is None
+    assert beats.quiet(live, {1}, 5) is None
     assert pings.sent == ["w1.0", "w1.1"]  # every host of the waiting slice at once, none of the other
     clock.t = 0.1
-    assert beats.quiet(live, {1}) is None and len(pings.sent) == 2  # one in flight per host
+    assert beats.quiet(live, {1}, 5) is None and len(pings.sent) == 2  # one in flight per host
 
 
 def test_one_ping_in_flight_per_host_and_one_per_interval():
     beats, clock, pings = _beats()
     live = _live(1, 1)
-    beats.quiet(live, {0})  # a ping at once
+    beats.quiet(live, {0}, 5)  # a ping at once
     for t in (0.01, 0.1, 0.2):  # answered at 0.01: the next one is due 0.25 s later
         clock.t = t
-        beats.quiet(live, {0})
+        beats.quiet(live, {0}, 5)
     assert len(pings.sent) == 1
     clock.t = 0.3
-    beats.quiet(live, {0})
+    beats.quiet(live, {0}, 5)
     assert len(pings.sent) == 2
 
 
 def test_a_host_that_stops_answering_is_named_after_the_timeout():
     beats, clock, pings = _beats(timeout_s=1.0)
     live = _live()
-    beats.quiet(live, {0, 1})
+    beats.quiet(live, {0, 1}, 5)
     pings.silent.add("w1.1")  # SIGSTOPped
     found = None
     while found is None and clock.t < 5:
         clock.t = round(clock.t + 0.25, 2)
-        found = beats.quiet(live, {0, 1})
+        found = beats.quiet(live, {0, 1}, 5)
     s, h, silent_s = found
     assert (s, h) == (1, 1) and silent_s >= 1.0
     assert clock.t <= 1.25  # pinged at 0, unanswered for 1 s: found within a poll after 1 s
     beats.forget(1)
     clock.t += 0.25
-    assert beats.quiet(live, {0}) is None  # the others still answer
+    assert beats.quiet(live, {0}, 5) is None  # the others still answer
 
 
 def test_a_long_step_whose_hosts_answer_is_never_hung():
@@ -90,7 +90,7 @@ def test_a_long_step_whose_hosts_answer_is_never_hung():
     live = _live()
     for i in range(400):  # 100 s of waiting: 20x and more a slow step
         clock.t = i * 0.25
-        assert beats.quiet(live, {0, 1}) is None
+        assert beats.quiet(live, {0, 1}, 5) is None
     assert len(pings.sent) > 100
 
 
@@ -98,10 +98,77 @@ def test_a_replacement_worker_starts_afresh():
     beats, clock, pings = _beats(timeout_s=1.0)
     live = _live(1, 1)
     pings.silent.add("w0.0")
-    beats.quiet(live, {0})  # a ping to the old worker, never answered
+    beats.quiet(live, {0}, 5)  # a ping to the old worker, never answered
     live[0].workers = ["new0.0"]
     clock.t = 1.5
-    assert beats.quiet(live, {0}) is None  # the new handle is not blamed for the old one's ping
+    assert beats.quiet(live, {0}, 5) is None  # the new handle is not blamed for the old one's ping
+
+
+def _silent_for(beats, clock, live, step, until_s=30.0):
+    """Poll every 0.25 s at `step` until a host is named; (found, time)."""
+    found = None
+    while found is None and clock.t < until_s:
+        clock.t = round(clock.t + 0.25, 2)
+        found = beats.quiet(live, {0}, step)
+    return found, clock.t
+
+
+def test_a_host_gets_the_first_step_timeout_in_the_step_it_was_first_pinged_in():
+    """A new process, starved of CPU while it compiles beside its peers,
+    is not named at the usual timeout; a frozen one is, at the longer."""
+    clock, pings = _Clock(), _Pings()
+    beats = Heartbeats(pings.send, pings.answered, clock, timeout_s=1.0, every_s=0.25, first_timeout_s=15.0)
+    live = _live(1, 1)
+    beats.quiet(live, {0}, 0)
+    pings.silent.add("w0.0")
+    found, t = _silent_for(beats, clock, live, 0)
+    assert found is not None and found[:2] == (0, 0)
+    assert 15.0 <= t <= 15.5 and found[2] >= 15.0
+
+
+def test_past_its_first_step_a_host_gets_the_usual_timeout():
+    clock, pings = _Clock(), _Pings()
+    beats = Heartbeats(pings.send, pings.answered, clock, timeout_s=1.0, every_s=0.25, first_timeout_s=15.0)
+    live = _live(1, 1)
+    beats.quiet(live, {0}, 3)  # first pinged at step 3, answered
+    clock.t = 2.0
+    assert beats.quiet(live, {0}, 4) is None
+    pings.silent.add("w0.0")
+    start = clock.t
+    found, t = _silent_for(beats, clock, live, 4)
+    assert found is not None and t - start <= 1.5
+    # A replacement (a new process) is in its own first step again.
+    beats.forget(0)
+    live[0].workers = ["new0.0"]
+    pings.silent = {"new0.0"}
+    start = clock.t
+    found, t = _silent_for(beats, clock, live, 9, until_s=start + 30)
+    assert found is not None and t - start >= 15.0
+
+
+def test_a_ping_out_across_the_first_step_boundary_gets_the_usual_timeout_from_then():
+    clock, pings = _Clock(), _Pings()
+    beats = Heartbeats(pings.send, pings.answered, clock, timeout_s=1.0, every_s=0.25, first_timeout_s=15.0)
+    live = _live(1, 1)
+    pings.silent.add("w0.0")
+    beats.quiet(live, {0}, 0)
+    clock.t = 10.0  # still out, within the first step's timeout
+    assert beats.quiet(live, {0}, 0) is None
+    clock.t = 10.5  # the next step: counted afresh from here, not from 0
+    assert beats.quiet(live, {0}, 1) is None
+    clock.t = 11.25
+    assert beats.quiet(live, {0}, 1) is None
+    clock.t = 11.5
+    assert beats.quiet(live, {0}, 1) is not None
+
+
+def test_without_a_first_step_timeout_every_step_gets_the_usual_one():
+    beats, clock, pings = _beats(timeout_s=1.0)
+    live = _live(1, 1)
+    beats.quiet(live, {0}, 0)
+    pings.silent.add("w0.0")
+    found, t = _silent_for(beats, clock, live, 0)
+    assert found is not None and t <= 1.5
 
 
 def test_slow_fault_parses_and_needs_its_milliseconds():

@@ -12,6 +12,14 @@ of 0.25 s has brought nothing), every host of a slice with a call still
 out is pinged, at most one ping in flight per host and one every
 `every_s`; a ping unanswered for `timeout_s` names the host hung.
 
+A worker's first step is the exception: a new process imports, traces and
+compiles, and on a busy host its peers do the same at once, so its ping
+thread can wait seconds for a core (seen on a loaded 2-core machine with
+four slices starting together). A host's pings in the step it was first
+pinged in (a new handle: a new process) get `first_timeout_s` instead, so a
+starting slice is not taken for a hung one; a process frozen in its first
+step is still found in that long, not at the first step's deadline.
+
 The cost: one small actor call per waiting host per `every_s` (0.25 s),
 only while the driver waits, none for a step shorter than a wait. An errored ping is left to the call it
 shadows (a dead worker's calls fail on their own, and are sorted there).
@@ -34,20 +42,24 @@ class _Host:
     ref: Any = None  # the ping in flight, if any
     sent_at: float = 0.0
     answered_at: float = 0.0
+    first_step: int = 0  # the step it was first pinged in: it may still be starting
+    settled: bool = False  # pinged in another step since: past its start
 
 
 class Heartbeats:
     def __init__(self, send: Callable[[Any], Any], answered: Callable[[list], list], clock: Callable[[], float],
-                 timeout_s: float = 1.0, every_s: float = 0.25):
+                 timeout_s: float = 1.0, every_s: float = 0.25, first_timeout_s: Optional[float] = None):
         self._send, self._answered, self._clock = send, answered, clock
         self.timeout_s, self.every_s = timeout_s, every_s
+        self.first_timeout_s = timeout_s if first_timeout_s is None else max(timeout_s, first_timeout_s)
         self._hosts: dict[tuple[int, int], _Host] = {}
         self.pings = 0  # sent so far (for tests and benches)
 
-    def quiet(self, live: Mapping, waiting: Iterable[int]) -> Optional[tuple[int, int, float]]:
+    def quiet(self, live: Mapping, waiting: Iterable[int], step: int) -> Optional[tuple[int, int, float]]:
         """(slice, host, seconds without an answer) of a host of the
         `waiting` slices (those with a call still out) whose ping has gone
-        unanswered for `timeout_s`; None if every one answers. Pings the
+        unanswered for `timeout_s` (`first_timeout_s` in the step it was
+        first pinged in); None if every one answers. Pings the
         hosts due one on the way. `live`: slice -> an object with
         `.workers` (handles, host order)."""
         now = self._clock()
@@ -63,9 +75,13 @@ class Heartbeats:
             for i, worker in enumerate(live[s].workers):
                 h = self._hosts.get((s, i))
                 if h is None or h.worker is not worker:  # pinged at once: the driver has waited a poll already
-                    h = self._hosts[(s, i)] = _Host(worker, answered_at=now - self.every_s)
+                    h = self._hosts[(s, i)] = _Host(worker, answered_at=now - self.every_s, first_step=step)
+                if not h.settled and step != h.first_step:
+                    # Past its start: a ping still out from then gets the
+                    # usual timeout, counted from now.
+                    h.settled, h.sent_at = True, now
                 if h.ref is not None:
-                    if now - h.sent_at >= self.timeout_s:
+                    if now - h.sent_at >= (self.timeout_s if h.settled else self.first_timeout_s):
                         return s, i, now - h.sent_at
                 elif now - h.answered_at >= self.every_s:
                     h.ref, h.sent_at = self._send(worker), now

@@ -33,6 +33,10 @@ TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
 # silent (frozen or cut off): a hung host's replacement then gets a new
 # placement group, the one cost of a wrong guess.
 HANDSHAKE_S = 0.2
+# A host's heartbeat timeout in the first step it is pinged in (a new
+# process importing, tracing and compiling beside its peers): see
+# heartbeats.py. A process frozen then is found in this long.
+FIRST_STEP_HEARTBEAT_S = 15.0
 
 
 class Probe(Protocol):
@@ -113,7 +117,7 @@ class RayProbe:
         def answered(refs: list) -> list:
             return ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]
 
-        return Heartbeats(ping_ref, answered, clock, timeout_s=timeout_s)
+        return Heartbeats(ping_ref, answered, clock, timeout_s=timeout_s, first_timeout_s=FIRST_STEP_HEARTBEAT_S)
 
 
 def runtime_error(exc: BaseException) -> bool:
@@ -247,7 +251,7 @@ class FailureLocator:
         if lost is not None:
             s, h = lost
             return failure(FailureKind.NODE_DIED, s, h, step, "the node's raylet stopped taking connections")
-        quiet = self.heartbeats.quiet(live, waiting) if self.heartbeats is not None else None
+        quiet = self.heartbeats.quiet(live, waiting, step) if self.heartbeats is not None else None
         if quiet is None:
             return None
         s, h, silent_s = quiet
