@@ -16,8 +16,7 @@ def test_the_replacement_node_starts_outside_the_controller_thread(cluster, node
     """Pause with a ready spare, a node removed: the spare joins and the
     step in flight is finished (nothing redone); the replacement node is
     added by the demo's main thread, not the controller's. The controller
-    waited for no node: from the loss to the spare's join takes less than
-    the node took to come up, both measured in the same run."""
+    needed no node: the slice that joined is the spare."""
     import examples.lm as lm
 
     from ray_elastic import CpuSlice, Fault
@@ -43,6 +42,10 @@ def test_the_replacement_node_starts_outside_the_controller_thread(cluster, node
     assert events["grow"]["joined"] == [2] and "a replacement node is starting" in console.out.getvalue()
     (node,) = node_starts  # one replacement node, for the one lost
     assert node["thread"] != node["controller"]  # added by another thread than the controller's
-    node_start_s = node["up"] - node["started"]
-    spare_join_s = events["grow"]["t"] - events["fault"]["t"]
-    assert spare_join_s < node_start_s, (spare_join_s, node_start_s)
+    # The slice that joined is the spare made before the fault, not one
+    # placed on the new node: the controller needed no node. (Comparing
+    # the spare's join with the node's start-up time instead was a race: a
+    # node can come up in 2 s here, as fast as the join on a busy machine.)
+    spare_ready = next(e for e in report["events"] if e["event"] == "slice_ready" and e["slice"] == 2)
+    assert events["reserve"]["spares"] == 1 and spare_ready["t"] < events["fault"]["t"], spare_ready
+    assert events["grow"]["t"] > events["fault"]["t"] and node["up"] > node["started"]
