@@ -28,12 +28,16 @@ What runs, per policy (each on its own fresh local cluster,
   pending), then fires at its drawn time or at once if that has passed.
   No fault fires in the last `END_MARGIN_S` worth of steps, so the run ends
   after its last recovery.
-- replacement nodes are added from the driver's main thread (Ray's
-  `Cluster.add_node` works only there): in the callback of the run's
-  `detected` event for the node faults (remove_node, freeze_node, drain);
+- replacement nodes are added by the driver's main thread (Ray's
+  `Cluster.add_node` works only there) while the controller runs on a
+  thread of its own, as `ray-elastic demo` does and as a cloud's
+  autoscaler adds nodes from outside the driver: asked for in the callback
+  of the run's `detected` event for the node faults (remove_node,
+  freeze_node, drain), so no controller call waits on a node starting;
   the process faults (kill, stop, term) get their replacement worker on
-  the same node. That time, and the bench's own node removals, are the
-  bench's, counted apart (`bench_node_changes_s`).
+  the same node. The bench's own node changes still made on the
+  controller's thread (the fault's own removal) are counted apart
+  (`bench_node_changes_s`).
 
 Run length: a fixed step count, so that the run ends normally (final
 checkpoint, `final_state`) and the failure-free reference is the same run.
@@ -66,8 +70,10 @@ import json
 import os
 import random
 import shutil
+import queue
 import signal
 import statistics
+import threading
 import time
 from typing import Callable, Optional, Sequence
 
@@ -161,8 +167,11 @@ class _Chaos:
 
     def __init__(self, cluster, trainer, rec, *, steps: int, per_step_s: float, rng: random.Random,
                  interval_s: tuple, kinds: Sequence[str], policy: str, log: Callable,
-                 max_faults: Optional[int] = None):
+                 max_faults: Optional[int] = None, cluster_work: Optional[queue.Queue] = None):
         self.cluster, self.trainer, self.rec = cluster, trainer, rec
+        # (function, args) for the main thread to run on the cluster; None:
+        # run them here, on the controller's thread (and count their time).
+        self.cluster_work = cluster_work
         self.rng, self.interval_s, self.kinds, self.policy, self.log = rng, interval_s, list(kinds), policy, log
         self.max_faults = max_faults
         # No fault in the last END_MARGIN_S (at most a sixth of the run) of steps.
@@ -172,7 +181,8 @@ class _Chaos:
         self.cycle: list[str] = []
         self.next_t: Optional[float] = None
         self.start_t: Optional[float] = None
-        self.nodes_needed = 0
+        self.nodes_needed = 0  # replacement nodes the faults call for, not yet up
+        self.nodes_asked = 0  # of those, the ones being added
         self.bench_s = 0.0
         self.stopped: list[int] = []  # SIGSTOPped worker pids
         self.frozen: dict[str, dict] = {}  # node -> {"pids", "t", "fault"}
@@ -236,17 +246,26 @@ class _Chaos:
             for node, d in list(self.drained.items()):
                 if d["slice"] == e.get("slice"):  # the run has left it: the cloud takes it away
                     self._remove_drained(node, "left")
-        if ev == "detected" and self.nodes_needed:
-            # After the detection is time-stamped: adding a node blocks this
-            # (the controller's) thread for a second or more.
-            while self.nodes_needed:
-                self.nodes_needed -= 1
-                try:
-                    self._timed(self.cluster.add_node)
-                except Exception as e:  # noqa: BLE001
-                    self.errors.append(f"adding a node: {type(e).__name__}: {e}")
-                    self.log(f"    [{self.policy}] adding a node failed: {type(e).__name__}: {e}")
+        if ev == "detected" and self.nodes_needed > self.nodes_asked:
+            # After the detection is time-stamped. `nodes_needed` drops once
+            # the node is up (`node_added`): the run is not healed before.
+            while self.nodes_asked < self.nodes_needed:
+                self.nodes_asked += 1
+                if self.cluster_work is not None:
+                    self.cluster_work.put((self._add_node, ()))
+                else:  # blocks this (the controller's) thread for a second or more
+                    self._timed(self._add_node)
         self.housekeeping()
+
+    def _add_node(self) -> None:
+        try:
+            self.cluster.add_node()
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"adding a node: {type(e).__name__}: {e}")
+            self.log(f"    [{self.policy}] adding a node failed: {type(e).__name__}: {e}")
+        finally:
+            self.nodes_asked -= 1
+            self.nodes_needed -= 1
 
     def on_step(self, step: int, metrics: dict) -> None:
         self.housekeeping()
@@ -370,8 +389,10 @@ def run_chaos(cluster, policy: str, steps: int, *, per_step_s: float, ckpt_path:
     checkpoint = CheckpointConfig(ckpt_path, save_every=SAVE_EVERY, keep=KEEP) if ckpt_path else None
     trainer = ElasticTrainer(factory or lm_factory(), _config(policy), steps, callbacks=[rec],
                              checkpoint=checkpoint, keep_final_state=True)
+    work: queue.Queue = queue.Queue()
     chaos = _Chaos(cluster, trainer, rec, steps=steps, per_step_s=per_step_s, rng=random.Random(seed),
-                   interval_s=interval_s, kinds=kinds, policy=policy, log=log, max_faults=max_faults)
+                   interval_s=interval_s, kinds=kinds, policy=policy, log=log, max_faults=max_faults,
+                   cluster_work=work)
     rec.hooks_event.append(chaos.on_event)
     rec.hooks_step.append(chaos.on_step)
     error = None
@@ -386,12 +407,27 @@ def run_chaos(cluster, policy: str, steps: int, *, per_step_s: float, ckpt_path:
             trainer.steps = step
 
     rec.hooks_step.append(cap)
+    failed: list = []
+
+    def fit() -> None:
+        try:
+            trainer.fit()
+        except Exception as e:  # noqa: BLE001 (reported, and a FAIL)
+            failed.append(f"{type(e).__name__}: {str(e)[:500]}")
+        finally:
+            work.put(None)
+
+    # The controller on a thread of its own; this (main) thread makes the
+    # cluster changes the faults call for (replacement nodes).
+    controller = threading.Thread(target=fit, name="controller", daemon=True)
+    controller.start()
     try:
-        trainer.fit()
-    except Exception as e:  # noqa: BLE001 (reported, and a FAIL)
-        error = f"{type(e).__name__}: {str(e)[:500]}"
+        for fn, args in iter(work.get, None):
+            fn(*args)
+        controller.join()
     finally:
         chaos.cleanup()
+    error = failed[0] if failed else None
     log(f"    [{policy}] done in {time.monotonic() - t0:.0f} s{': ' + error if error else ''}")
     report = trainer.report
     out = analyse(report, rec.steps, chaos, policy=policy, steps=trainer.steps, error=error)
