@@ -113,12 +113,18 @@ def _silent_for(beats, clock, live, step, until_s=30.0):
     return found, clock.t
 
 
-def test_a_host_gets_the_first_step_timeout_in_the_step_it_was_first_pinged_in():
-    """A new process, starved of CPU while it compiles beside its peers,
-    is not named at the usual timeout; a frozen one is, at the longer."""
+def _first_step_beats():
     clock, pings = _Clock(), _Pings()
     beats = Heartbeats(pings.send, pings.answered, clock, timeout_s=1.0, every_s=0.25, first_timeout_s=15.0)
+    return beats, clock, pings
+
+
+def test_a_new_process_gets_the_first_step_timeout_in_its_first_step():
+    """A new process, starved of CPU while it compiles beside its peers,
+    is not named at the usual timeout; a frozen one is, at the longer."""
+    beats, clock, pings = _first_step_beats()
     live = _live(1, 1)
+    beats.started(live, 0)
     beats.quiet(live, {0}, 0)
     pings.silent.add("w0.0")
     found, t = _silent_for(beats, clock, live, 0)
@@ -127,11 +133,12 @@ def test_a_host_gets_the_first_step_timeout_in_the_step_it_was_first_pinged_in()
 
 
 def test_past_its_first_step_a_host_gets_the_usual_timeout():
-    clock, pings = _Clock(), _Pings()
-    beats = Heartbeats(pings.send, pings.answered, clock, timeout_s=1.0, every_s=0.25, first_timeout_s=15.0)
+    beats, clock, pings = _first_step_beats()
     live = _live(1, 1)
-    beats.quiet(live, {0}, 3)  # first pinged at step 3, answered
+    beats.started(live, 3)
+    beats.quiet(live, {0}, 3)  # pinged in its first step, answered
     clock.t = 2.0
+    beats.started(live, 4)  # the same process: not new
     assert beats.quiet(live, {0}, 4) is None
     pings.silent.add("w0.0")
     start = clock.t
@@ -141,20 +148,42 @@ def test_past_its_first_step_a_host_gets_the_usual_timeout():
     beats.forget(0)
     live[0].workers = ["new0.0"]
     pings.silent = {"new0.0"}
+    beats.started(live, 9)
     start = clock.t
     found, t = _silent_for(beats, clock, live, 9, until_s=start + 30)
     assert found is not None and t - start >= 15.0
 
 
+def test_a_host_first_pinged_long_after_its_start_gets_the_usual_timeout():
+    """Short steps: no wait outlasts a poll, so a host is first pinged
+    many steps after it started, maybe in the very step it froze in."""
+    beats, clock, pings = _first_step_beats()
+    live = _live(1, 1)
+    beats.started(live, 0)
+    for k in range(1, 50):  # steps too short to be pinged in
+        clock.t += 0.1
+        beats.started(live, k)
+    pings.silent.add("w0.0")
+    start = clock.t
+    found, t = _silent_for(beats, clock, live, 49)
+    assert found is not None and t - start <= 1.5
+    # Likewise a host the heartbeats never saw start (first seen in a wait).
+    beats2, clock2, pings2 = _first_step_beats()
+    pings2.silent.add("w0.0")
+    found, t = _silent_for(beats2, clock2, live, 7)
+    assert found is not None and t <= 1.5
+
+
 def test_a_ping_out_across_the_first_step_boundary_gets_the_usual_timeout_from_then():
-    clock, pings = _Clock(), _Pings()
-    beats = Heartbeats(pings.send, pings.answered, clock, timeout_s=1.0, every_s=0.25, first_timeout_s=15.0)
+    beats, clock, pings = _first_step_beats()
     live = _live(1, 1)
     pings.silent.add("w0.0")
+    beats.started(live, 0)
     beats.quiet(live, {0}, 0)
     clock.t = 10.0  # still out, within the first step's timeout
     assert beats.quiet(live, {0}, 0) is None
     clock.t = 10.5  # the next step: counted afresh from here, not from 0
+    beats.started(live, 1)
     assert beats.quiet(live, {0}, 1) is None
     clock.t = 11.25
     assert beats.quiet(live, {0}, 1) is None

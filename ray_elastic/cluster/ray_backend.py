@@ -145,7 +145,9 @@ class RayBackend:
         takers: frozenset, deadline_s: float, on_issued: Callable[[], None],
         ahead: Optional[Mapping[int, tuple]] = None,
     ) -> StepResult:
-        return self.runner.run(step, self._live(slices), assignment, takers, deadline_s, on_issued, ahead)
+        live = self._live(slices)
+        self.locator.started(live, step)
+        return self.runner.run(step, live, assignment, takers, deadline_s, on_issued, ahead)
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)

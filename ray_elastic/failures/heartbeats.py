@@ -15,10 +15,13 @@ out is pinged, at most one ping in flight per host and one every
 A worker's first step is the exception: a new process imports, traces and
 compiles, and on a busy host its peers do the same at once, so its ping
 thread can wait seconds for a core (seen on a loaded 2-core machine with
-four slices starting together). A host's pings in the step it was first
-pinged in (a new handle: a new process) get `first_timeout_s` instead, so a
-starting slice is not taken for a hung one; a process frozen in its first
-step is still found in that long, not at the first step's deadline.
+four slices starting together). A host's pings in its first step get
+`first_timeout_s` instead, so a starting slice is not taken for a hung one;
+a process frozen in its first step is still found in that long, not at the
+first step's deadline. Which step is a host's first is told here before
+each step (`started`: a handle not seen before is a new process); a host
+only seen once pinged counts as past its start (with short steps, pings
+begin whenever a wait first outlasts a poll, maybe long after its start).
 
 The cost: one small actor call per waiting host per `every_s` (0.25 s),
 only while the driver waits, none for a step shorter than a wait. An errored ping is left to the call it
@@ -42,8 +45,8 @@ class _Host:
     ref: Any = None  # the ping in flight, if any
     sent_at: float = 0.0
     answered_at: float = 0.0
-    first_step: int = 0  # the step it was first pinged in: it may still be starting
-    settled: bool = False  # pinged in another step since: past its start
+    first_step: int = 0  # its first step: it may still be starting
+    settled: bool = True  # past its start (False from `started` until its next step)
 
 
 class Heartbeats:
@@ -55,11 +58,23 @@ class Heartbeats:
         self._hosts: dict[tuple[int, int], _Host] = {}
         self.pings = 0  # sent so far (for tests and benches)
 
+    def started(self, live: Mapping, step: int) -> None:
+        """Step `step` starts on `live`: hosts not seen before are new
+        processes, in their first step (`first_timeout_s`)."""
+        for key in [k for k in self._hosts if k[0] not in live]:
+            del self._hosts[key]
+        for s in live:
+            for i, worker in enumerate(live[s].workers):
+                h = self._hosts.get((s, i))
+                if h is None or h.worker is not worker:
+                    self._hosts[(s, i)] = _Host(worker, answered_at=self._clock() - self.every_s, first_step=step,
+                                                settled=False)
+
     def quiet(self, live: Mapping, waiting: Iterable[int], step: int) -> Optional[tuple[int, int, float]]:
         """(slice, host, seconds without an answer) of a host of the
         `waiting` slices (those with a call still out) whose ping has gone
-        unanswered for `timeout_s` (`first_timeout_s` in the step it was
-        first pinged in); None if every one answers. Pings the
+        unanswered for `timeout_s` (`first_timeout_s` in its first step);
+        None if every one answers. Pings the
         hosts due one on the way. `live`: slice -> an object with
         `.workers` (handles, host order)."""
         now = self._clock()

@@ -33,8 +33,8 @@ TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
 # silent (frozen or cut off): a hung host's replacement then gets a new
 # placement group, the one cost of a wrong guess.
 HANDSHAKE_S = 0.2
-# A host's heartbeat timeout in the first step it is pinged in (a new
-# process importing, tracing and compiling beside its peers): see
+# A host's heartbeat timeout in its first step (a new process importing,
+# tracing and compiling beside its peers): see
 # heartbeats.py. A process frozen then is found in this long.
 FIRST_STEP_HEARTBEAT_S = 15.0
 
@@ -242,6 +242,12 @@ class FailureLocator:
             if not self.probe.raylet_reachable(node_id):
                 return where
         return None
+
+    def started(self, live: Mapping, step: int) -> None:
+        """Step `step` starts on `live` (the heartbeats learn which hosts
+        are new processes, in their first step)."""
+        if self.heartbeats is not None:
+            self.heartbeats.started(live, step)
 
     def watch(self, live: Mapping, waiting: Iterable[int], step: int) -> Optional[SliceFailure]:
         """While a step's calls are out: a host on a node whose raylet
