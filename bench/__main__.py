@@ -67,7 +67,8 @@ def main(argv=None) -> int:
                              "sharded: alternated ray_elastic/plain rounds (quick 1, full 2); "
                              "contract: alternated today/new-contract pairs (quick 2, full 5)")
     parser.add_argument("--variants", type=_csv, default=None,
-                        help="ready: comma-separated subset of variants (default all)")
+                        help="ready: comma-separated subset of variants (default all); integrity: of parts "
+                             "(small,large,cross,catch,straggler)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
     parser.add_argument("--slices-per-leader", type=int, default=32,
@@ -194,7 +195,8 @@ def main(argv=None) -> int:
 
         cluster = start_cluster(4)
         try:
-            result = integrity.run(cluster, quick=args.quick, runs=args.runs, steps=args.steps)
+            result = integrity.run(cluster, quick=args.quick, runs=args.runs, steps=args.steps,
+                                   parts=tuple(args.variants or integrity.PARTS))
         finally:
             cluster.shutdown()
         files = integrity.write(result, args.out)

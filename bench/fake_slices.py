@@ -264,7 +264,7 @@ class FakeSlices:
 
     def __init__(self, spec, program_factory: Callable, seed: int, num_shards: int, run_name: str,
                  compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0,
-                 grad_check_every: int = 0):
+                 grad_check_every: int = 0, final_step: int = 0):
         self.spec = spec
         self.num_shards = num_shards
         self.run_name = run_name

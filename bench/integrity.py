@@ -7,10 +7,12 @@ One local cluster of 4 nodes, the example LM (`examples/lm.py`).
    `large`: examples/lm.py PRESETS), 2 slices of one host, alternated
    runs with `state_check_every=1` (every step; the default is 10) and 0 (off),
    everything else default. Per run the median step after the warm-up;
-   per checked run also the median of `check_s`, the slowest host's
-   seconds fingerprinting its state each step (worker-side, after the
-   update is done): the check's own cost, less noisy than a difference of
-   step times on a shared machine.
+   per checked run also the medians of `check_s`, the slowest host's
+   seconds fingerprinting its state each step (on the worker's
+   fingerprint thread, after the update is done, while the next step's
+   gradients compute), and of `check_wait_s`, the longest any host's
+   apply waited for that fingerprint: what the check adds to the step's
+   path, less noisy than a difference of step times on a shared machine.
 2. `cross`: the gradient cross-checks' cost. 3 slices, the small model,
    `grad_check_every=10` (to sample many checks in a short run): the
    excess of a checked step (and of the step before it, not pipelined
@@ -60,11 +62,13 @@ def _run(size: str, slices: int, steps: int, every: int, faults=(), keep=False, 
                         timeout_s=300.0,
                         step_deadline_floor_s=120.0, first_step_deadline_s=600.0)
     checks: list = []
+    waits: list = []
 
     class Checks(Callback):
         def on_step(self, step, metrics):
             if step > WARMUP and "check_s" in metrics:
                 checks.append(metrics["check_s"])
+                waits.append(metrics["check_wait_s"])
 
     trainer = ElasticTrainer(factory, cfg, steps, callbacks=[Checks()], faults=faults, keep_final_state=keep)
     t0 = time.monotonic()
@@ -74,6 +78,7 @@ def _run(size: str, slices: int, steps: int, every: int, faults=(), keep=False, 
     out = {"size": size, "every": every, "wall_s": time.monotonic() - t0,
            "median_step_s": statistics.median(report.step_times[WARMUP:]),
            "median_check_s": statistics.median(checks) if checks else None,
+           "median_wait_s": statistics.median(waits) if waits else None,
            "step_times": list(report.step_times),
            "failures": [dataclasses.asdict(f) for f in report.failures],
            "events": [e for e in report.events if e["event"] in ("fault", "diverged", "restore", "recovered")]}
@@ -132,13 +137,18 @@ def _same(a, b) -> bool:
     return a["step"] == b["step"] and all(np.array_equal(x, y) for x, y in zip(la, lb))
 
 
-def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=print) -> dict:
+PARTS = ("small", "large", "cross", "catch", "straggler")
+
+
+def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=print, parts=PARTS) -> dict:
+    """The suite's `parts` (default all): the overhead of `small`, of
+    `large`, the `cross`-checks, the `catch`es, the `straggler`."""
     ensure_nodes(cluster, 4)
     rounds = runs or (2 if quick else 4)
     n = steps or (20 if quick else 40)
     result: dict = {"overhead": [], "rounds": rounds, "steps": n, "warmup_steps": WARMUP}
     t0 = time.monotonic()
-    for size in ("small", "large"):
+    for size in [p for p in ("small", "large") if p in parts]:
         for r in range(rounds):
             for every in (1, 0):
                 row = _run(size, 2, n if size == "small" else max(12, n // 2), every)
@@ -146,8 +156,19 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
                 row["round"] = r
                 result["overhead"].append(row)
                 log(f"  {size} every={every} round {r}: median step {row['median_step_s']:.4f} s, "
-                    f"check {row['median_check_s']}")
-    # 2. cross-checks: the excess of checked steps
+                    f"check {row['median_check_s']}, waited {row['median_wait_s']}")
+    if "cross" in parts:
+        result["cross"] = _cross(log)
+    if "catch" in parts:
+        result.update(_catch(log))
+    if "straggler" in parts:
+        result["straggler"] = _straggler(log)
+    result["wall_s"] = time.monotonic() - t0
+    return result
+
+
+def _cross(log) -> dict:
+    """The gradient cross-checks: the excess of checked steps."""
     every, n_cross = 10, 6 * 10 + 1
     cross = _run("small", 3, n_cross, 0, grad_every=every)
     times = cross["step_times"]
@@ -155,10 +176,16 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
     # step_times[k] is step k (0-based): checked at k % every == 0, and
     # the step before it is not pipelined into it.
     excess = [times[k] + times[k - 1] - 2 * med for k in range(every, len(times), every)]
-    result["cross"] = {"grad_check_every": every, "checks": len(excess), "median_step_s": med,
-                       "excess_per_check_s": statistics.median(excess),
-                       "overhead_at_50_pct": 100.0 * statistics.median(excess) / (50 * med)}
-    log(f"  cross: {json.dumps(result['cross'])}")
+    out = {"grad_check_every": every, "checks": len(excess), "median_step_s": med,
+           "excess_per_check_s": statistics.median(excess),
+           "overhead_at_50_pct": 100.0 * statistics.median(excess) / (50 * med)}
+    log(f"  cross: {json.dumps(out)}")
+    return out
+
+
+def _catch(log) -> dict:
+    """A bit flipped in a slice's state, and in every gradient it sends."""
+    result: dict = {}
     fault_at, steps_c = 10, 24
 
     from ray_elastic import Fault
@@ -191,8 +218,6 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
         "bitwise_equal": _same(ref["final_state"], hit["final_state"]),
     }
     log(f"  catch_grads: {json.dumps(result['catch_grads'])}")
-    result["straggler"] = _straggler(log)
-    result["wall_s"] = time.monotonic() - t0
     return result
 
 
@@ -203,22 +228,26 @@ def summary(r: dict) -> dict:
         on = [x["median_step_s"] for x in rows if x["every"] == 1]
         off = [x["median_step_s"] for x in rows if x["every"] == 0]
         checks = [x["median_check_s"] for x in rows if x["median_check_s"] is not None]
+        waits = [x["median_wait_s"] for x in rows if x.get("median_wait_s") is not None]
         if on and off:
             m_on, m_off = statistics.median(on), statistics.median(off)
             out[size] = {"median_step_on_s": m_on, "median_step_off_s": m_off,
                          "step_difference_pct": 100.0 * (m_on - m_off) / m_off,
                          "median_check_s": statistics.median(checks) if checks else None,
-                         "check_pct_of_step": 100.0 * statistics.median(checks) / m_off if checks else None}
+                         "check_pct_of_step": 100.0 * statistics.median(checks) / m_off if checks else None,
+                         "median_wait_s": statistics.median(waits) if waits else None,
+                         "wait_pct_of_step": 100.0 * statistics.median(waits) / m_off if waits else None}
     return out
 
 
 def table(r: dict) -> str:
     lines = [f"### State checks: every step against off ({r['rounds']} alternated rounds, medians)", "",
-             "| model | median step, checks on (s) | off (s) | difference | fingerprint per step (s) | "
-             "fingerprint / step |", "|---|---|---|---|---|---|"]
+             "| model | median step, checks on (s) | off (s) | difference | fingerprint, on its thread (s) | "
+             "apply waited for it (s) | waited / step |", "|---|---|---|---|---|---|---|"]
     for size, s in summary(r).items():
+        wait = "" if s["median_wait_s"] is None else f"{s['median_wait_s']:.5f} | {s['wait_pct_of_step']:.2f}%"
         lines.append(f"| {size} | {s['median_step_on_s']:.4f} | {s['median_step_off_s']:.4f} | "
-                     f"{s['step_difference_pct']:+.1f}% | {s['median_check_s']:.5f} | {s['check_pct_of_step']:.2f}% |")
+                     f"{s['step_difference_pct']:+.1f}% | {s['median_check_s']:.5f} | {wait} |")
     x = r.get("cross")
     if x:
         lines += ["", f"### Gradient cross-checks (3 slices, one every {x['grad_check_every']} steps, "

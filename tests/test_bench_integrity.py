@@ -12,7 +12,8 @@ def _result() -> dict:
     rows = []
     for size, on, off in (("small", (0.080, 0.099), (0.092, 0.094)), ("large", (4.62, 4.20), (4.60, 4.16))):
         for r in range(2):
-            rows.append({"size": size, "every": 1, "round": r, "median_step_s": on[r], "median_check_s": 0.003})
+            rows.append({"size": size, "every": 1, "round": r, "median_step_s": on[r], "median_check_s": 0.003,
+                         "median_wait_s": 0.0004})
             rows.append({"size": size, "every": 0, "round": r, "median_step_s": off[r], "median_check_s": None})
     return {
         "overhead": rows, "rounds": 2, "steps": 30, "warmup_steps": 4,
@@ -37,6 +38,7 @@ def test_summary_takes_medians_over_rounds():
     s = integrity.summary(_result())
     assert s["small"]["median_step_on_s"] == (0.080 + 0.099) / 2 and s["small"]["median_step_off_s"] == 0.093
     assert abs(s["large"]["check_pct_of_step"] - 100 * 0.003 / 4.38) < 1e-9
+    assert abs(s["small"]["wait_pct_of_step"] - 100 * 0.0004 / 0.093) < 1e-9
 
 
 def test_tables_and_files(tmp_path):
@@ -45,6 +47,7 @@ def test_tables_and_files(tmp_path):
     for heading in ("State checks", "Gradient cross-checks", "A bit flipped", "A straggler", "every gradient"):
         assert heading in md, heading
     assert "| 0.1450 | 0.0178 | 0.24% |" in md
+    assert "| 0.00300 | 0.00040 | 0.43% |" in md  # small: on its thread, waited, waited / step
     paths = integrity.write(r, str(tmp_path))
     with open(paths["json"]) as f:
         assert json.load(f)["summary"]["small"]["step_difference_pct"] < 0

@@ -221,3 +221,26 @@ def test_flip_bit_changes_a_sharded_array_on_the_device_holding_the_first_shard(
 
 def test_every_single_bit_flip_changes_the_device_fingerprint(on_four_devices):
     assert on_four_devices["device_misses"] == []
+
+
+def test_state_prints_take_reports_the_held_state_s_print_made_on_the_thread():
+    import jax.numpy as jnp
+
+    from ray_elastic.worker.fingerprint import state_fingerprint
+    from ray_elastic.worker.state_prints import StatePrints
+
+    tree = ({"w": jnp.arange(1000, dtype=jnp.float32)}, {"mu": jnp.ones((3, 5), jnp.bfloat16)})
+    prints = StatePrints()
+    assert prints.take(3, 1) is None  # none begun
+    prints.begin(3, 1, tree)
+    got = prints.take(3, 1)
+    assert got is not None and got[0] == state_fingerprint(tree) and got[1] >= 0 and got[2] >= 0
+    assert prints.take(3, 1)[0] == got[0]  # kept: a re-issued apply reports it again
+    assert prints.take(3, 2) is None  # a state loaded since, even of the same step
+    assert prints.take(4, 1) is None  # another step's state
+    now, took = prints.now(tree)
+    assert now == got[0] and took >= 0
+    other = ({"w": jnp.arange(1000, dtype=jnp.float32) + 1}, tree[1])
+    prints.begin(4, 1, other)
+    prints.wait()
+    assert prints.take(3, 1) is None and prints.take(4, 1)[0] != got[0]

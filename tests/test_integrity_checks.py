@@ -19,27 +19,37 @@ from ray_elastic.errors import RunFailed
 GOOD, BAD = [11, 11, 11, 11], [11, 99, 11, 11]
 
 
-def m(fp=None, replicated=True, **extra):
+def m(fp=None, replicated=True, at=None, **extra):
+    """A host's apply metrics; with `fp`, its fingerprint of the state of
+    step `at` (for `check` below, which says the step, when None)."""
     out = {"loss": 1.0, **extra}
     if fp is not None:
-        out["fingerprint"] = list(fp)
+        out.update({"fingerprint": list(fp)} if at is None else {"fingerprints": {at: list(fp)}})
         out["replicated"] = replicated
     return out
+
+
+def check(checks, step, metrics):
+    """`checks.check` on metrics whose hosts report their fingerprint
+    ("fingerprint" in `metrics`) of the state of `step`."""
+    return checks.check({key: {**{k: v for k, v in mm.items() if k != "fingerprint"},
+                               **({"fingerprints": {step: mm["fingerprint"]}} if "fingerprint" in mm else {})}
+                         for key, mm in metrics.items()})
 
 
 def test_agreement_verifies_the_step():
     checks = StateChecks(every=5, start_step=3)
     assert checks.verified == 3
-    assert checks.check(10, {(0, 0): m(GOOD), (1, 0): m(GOOD), (2, 0): m(GOOD)}) is None
+    assert check(checks, 10, {(0, 0): m(GOOD), (1, 0): m(GOOD), (2, 0): m(GOOD)}) is None
     assert checks.verified == 10
-    assert checks.check(15, {(0, 0): m(GOOD), (1, 0): m(GOOD)}) is None
+    assert check(checks, 15, {(0, 0): m(GOOD), (1, 0): m(GOOD)}) is None
     assert checks.verified == 15
 
 
 def test_three_slices_one_odd_is_named():
     checks = StateChecks(every=5, start_step=10)
     other = [12, 12, 12, 12]
-    found = checks.check(15, {(0, 0): m(GOOD), (1, 0): m(other), (2, 0): m(GOOD)})
+    found = check(checks, 15, {(0, 0): m(GOOD), (1, 0): m(other), (2, 0): m(GOOD)})
     assert isinstance(found, Divergence)
     assert found.step == 15 and found.named == ((1, 0),) and found.verified == 10
     assert "slice 1 host 0" in found.detail and "2 of 3" in found.detail
@@ -48,8 +58,8 @@ def test_three_slices_one_odd_is_named():
 
 def test_two_slices_that_differ_are_found_but_not_named():
     checks = StateChecks(every=5)
-    assert checks.check(5, {(0, 0): m(GOOD), (1, 0): m(GOOD)}) is None
-    found = checks.check(10, {(0, 0): m(GOOD), (1, 0): m([12, 12, 12, 12])})
+    assert check(checks, 5, {(0, 0): m(GOOD), (1, 0): m(GOOD)}) is None
+    found = check(checks, 10, {(0, 0): m(GOOD), (1, 0): m([12, 12, 12, 12])})
     assert found is not None and found.named == () and found.step == 10
     assert "no majority" in found.detail
     assert found.verified == 5 and checks.verified == 5
@@ -57,14 +67,14 @@ def test_two_slices_that_differ_are_found_but_not_named():
 
 def test_a_three_way_split_names_no_slice():
     checks = StateChecks(every=1)
-    found = checks.check(1, {(0, 0): m([1] * 4), (1, 0): m([2] * 4), (2, 0): m([3] * 4)})
+    found = check(checks, 1, {(0, 0): m([1] * 4), (1, 0): m([2] * 4), (2, 0): m([3] * 4)})
     assert found is not None and found.named == () and "no majority" in found.detail
     assert checks.verified == 0
 
 
 def test_a_replicated_host_whose_devices_disagree_names_itself_even_with_two_slices():
     checks = StateChecks(every=1, start_step=4)
-    found = checks.check(6, {(0, 0): m(GOOD), (1, 0): m(BAD)})
+    found = check(checks, 6, {(0, 0): m(GOOD), (1, 0): m(BAD)})
     assert found is not None
     assert (1, 0) in found.named and (0, 0) not in found.named
     assert "slice 1 host 0" in found.detail and "different bits" in found.detail
@@ -73,7 +83,7 @@ def test_a_replicated_host_whose_devices_disagree_names_itself_even_with_two_sli
 
 def test_a_replicated_host_whose_devices_disagree_is_named_with_three_slices():
     checks = StateChecks(every=1)
-    found = checks.check(2, {(0, 0): m(GOOD), (1, 0): m(GOOD), (2, 0): m(BAD)})
+    found = check(checks, 2, {(0, 0): m(GOOD), (1, 0): m(GOOD), (2, 0): m(BAD)})
     assert found is not None and found.named == ((2, 0),)
 
 
@@ -81,12 +91,12 @@ def test_sharded_per_device_prints_may_differ():
     checks = StateChecks(every=1)
     shards = [1, 2, 3, 4]
     metrics = {(0, 0): m(shards, replicated=False), (1, 0): m(shards, replicated=False)}
-    assert checks.check(7, metrics) is None and checks.verified == 7
+    assert check(checks, 7, metrics) is None and checks.verified == 7
     # Without the flag a host's devices are not compared with each other either.
-    assert checks.check(8, {(0, 0): {"fingerprint": shards}, (1, 0): {"fingerprint": shards}}) is None
+    assert check(checks, 8, {(0, 0): {"fingerprint": shards}, (1, 0): {"fingerprint": shards}}) is None
     assert checks.verified == 8
     # But the same device of another slice must match.
-    found = checks.check(9, {(0, 0): m(shards, replicated=False), (1, 0): m([1, 2, 3, 5], replicated=False),
+    found = check(checks, 9, {(0, 0): m(shards, replicated=False), (1, 0): m([1, 2, 3, 5], replicated=False),
                              (2, 0): m(shards, replicated=False)})
     assert found is not None and found.named == ((1, 0),) and checks.verified == 8
 
@@ -96,35 +106,51 @@ def test_multi_host_slices_are_compared_host_by_host():
     h0, h1 = [1, 2], [3, 4]  # the hosts of a slice hold different shards
     sharded = lambda fp: m(fp, replicated=False)  # noqa: E731
     ok = {(s, h): sharded(h0 if h == 0 else h1) for s in range(3) for h in range(2)}
-    assert checks.check(3, ok) is None and checks.verified == 3
+    assert check(checks, 3, ok) is None and checks.verified == 3
     bad = {**ok, (2, 1): sharded([3, 5])}
-    found = checks.check(4, bad)
+    found = check(checks, 4, bad)
     assert found is not None and found.named == ((2, 1),) and "slice 2 host 1" in found.detail
     assert checks.verified == 3
     # Two slices of two hosts: host 1 differs (unnamed), host 0 agrees.
     two = {(s, h): sharded(h0 if h == 0 else h1) for s in range(2) for h in range(2)}
-    found = checks.check(5, {**two, (1, 1): sharded([3, 5])})
+    found = check(checks, 5, {**two, (1, 1): sharded([3, 5])})
     assert found is not None and found.named == ()
     assert found.detail == "host 1: no majority among slices [0, 1]"  # host 0 agreed
 
 
 def test_no_fingerprints_is_no_check():
     checks = StateChecks(every=5, start_step=2)
-    assert checks.check(5, {}) is None
-    assert checks.check(6, {(0, 0): m(), (1, 0): m()}) is None
+    assert check(checks, 5, {}) is None
+    assert check(checks, 6, {(0, 0): m(), (1, 0): m()}) is None
     assert checks.verified == 2
     # Hosts without a print are left out of the comparison.
-    assert checks.check(10, {(0, 0): m(GOOD), (1, 0): m()}) is None
+    assert check(checks, 10, {(0, 0): m(GOOD), (1, 0): m()}) is None
     assert checks.verified == 10
 
 
 def test_restart_resets_the_verified_step():
     checks = StateChecks(every=1)
-    assert checks.check(8, {(0, 0): m(GOOD), (1, 0): m(GOOD)}) is None
+    assert check(checks, 8, {(0, 0): m(GOOD), (1, 0): m(GOOD)}) is None
     checks.restart(4)
     assert checks.verified == 4
-    found = checks.check(5, {(0, 0): m(GOOD), (1, 0): m([1] * 4)})
+    found = check(checks, 5, {(0, 0): m(GOOD), (1, 0): m([1] * 4)})
     assert found is not None and found.verified == 4
+
+
+def test_each_state_step_reported_is_compared_oldest_first():
+    checks = StateChecks(every=1, start_step=3)
+    # The run's last apply reports the state it started from and its new one.
+    both = {(s, 0): m(fingerprints={4: GOOD, 5: GOOD}) for s in range(3)}
+    assert checks.check(both) is None and checks.verified == 5
+    checks = StateChecks(every=1, start_step=3)
+    bad = {**both, (1, 0): m(fingerprints={4: [12] * 4, 5: [13] * 4})}
+    found = checks.check(bad)
+    assert found.step == 4 and found.named == ((1, 0),) and found.verified == 3
+    assert found.failure().step == 3  # the apply of step 3 made the state of step 4
+    # A host that reports no print of a state (it loaded it) is left out of that comparison.
+    checks = StateChecks(every=1, start_step=3)
+    partial = {(0, 0): m(fingerprints={4: GOOD}), (1, 0): m(fingerprints={4: GOOD}), (2, 0): m()}
+    assert checks.check(partial) is None and checks.verified == 4
 
 
 def test_spend_retry_counts_and_then_fails_naming_max_retries():
@@ -278,7 +304,7 @@ def test_after_step_with_checks_off_verifies_every_step(store):
     for step in (2, 4):
         take(store, step)
         # Even differing prints are not compared with checks off.
-        assert checks.after_step(step, {(0, 0): m(GOOD), (1, 0): m([1] * 4)}, store) is None
+        assert checks.after_step(step, {(0, 0): m(GOOD, at=step), (1, 0): m([1] * 4, at=step)}, store) is None
     assert kept(store) == [4]
     assert store.restore_source(alive, verified=True) == (4, "ref0@4")
 
@@ -287,16 +313,16 @@ def test_after_step_keeps_snapshots_until_a_check_agrees(store):
     events: list = []
     checks = _checks(4, events)
     plain = {(0, 0): m(), (1, 0): m()}
-    agree = {(0, 0): m(GOOD), (1, 0): m(GOOD)}
+    agree = {(0, 0): m(GOOD, at=4), (1, 0): m(GOOD, at=4)}
     assert checks.after_step(1, plain, store) is None  # verified_through(0): the start
     take(store, 2)
     assert checks.after_step(2, plain, store) is None
     assert checks.after_step(3, plain, store) is None
     assert kept(store) == [2] and store.restore_source(alive, verified=True) is None
-    assert checks.after_step(4, agree, store) is None
+    assert checks.after_step(5, agree, store) is None  # the state of step 4, reported by the next apply
     assert checks.state.verified == 4 and store.restore_source(alive, verified=True) == (2, "ref0@2")
     take(store, 6)
-    found = checks.after_step(8, {(0, 0): m(GOOD), (1, 0): m([1] * 4)}, store)
+    found = checks.after_step(9, {(0, 0): m(GOOD, at=8), (1, 0): m([1] * 4, at=8)}, store)
     assert found is not None and found.verified == 4 and found.named == ()
     assert [name for name, _ in events] == ["diverged"] and events[0][1]["step"] == 8
     assert kept(store) == [2, 6]
@@ -305,8 +331,9 @@ def test_after_step_keeps_snapshots_until_a_check_agrees(store):
 
 
 def test_timing_is_the_slowest_host_s_fingerprint_seconds():
-    assert StateChecks.timing({(0, 0): {"fingerprint_s": 0.5}, (1, 0): {"fingerprint_s": 1.5}, (2, 0): {}}) == {
-        "check_s": 1.5}
+    assert StateChecks.timing({(0, 0): {"fingerprint_s": 0.5, "fingerprint_wait_s": 0.25},
+                               (1, 0): {"fingerprint_s": 1.5, "fingerprint_wait_s": 0.0}, (2, 0): {}}) == {
+        "check_s": 1.5, "check_wait_s": 0.25}
     assert StateChecks.timing({(0, 0): {"loss": 1.0}}) == {}
     assert StateChecks.timing({}) == {}
 
@@ -546,7 +573,7 @@ def _grad_checks(state_every=0, grad_every=10, num_slices=3):
     return Checks(config, lambda name, **f: events.append((name, f))), events
 
 
-def _step_metrics(live, owner=None, shard=None, fps=(), hosts=1, state_fp=None):
+def _step_metrics(live, owner=None, shard=None, fps=(), hosts=1, state_fp=None, at=None):
     """(slice, host) -> metrics; the owner's hosts carry grad_prints[shard] = fps[host]."""
     out = {}
     for s in live:
@@ -555,7 +582,7 @@ def _step_metrics(live, owner=None, shard=None, fps=(), hosts=1, state_fp=None):
             if s == owner:
                 mm["grad_prints"] = {shard: fps[h]}
             if state_fp is not None:
-                mm["fingerprint"], mm["replicated"] = list(state_fp), True
+                mm["fingerprints"], mm["replicated"] = {at: list(state_fp)}, True
             out[(s, h)] = mm
     return out
 
@@ -613,14 +640,14 @@ def test_checks_verified_through_is_the_min_of_state_and_grads():
     checks, _ = _grad_checks(state_every=4, grad_every=10)
     backend, snaps = FakeBackend(), FakeSnapshots()
     live = [0, 1, 2]
-    assert checks.after_step(8, _step_metrics(live, state_fp=GOOD), snaps) is None
+    assert checks.after_step(9, _step_metrics(live, state_fp=GOOD, at=8), snaps) is None
     assert checks.state.verified == 8 and snaps.calls == [0]  # the grads floor: nothing cross-checked yet
     checks.issue(10, live, _assign(live), backend)
     backend.answer(1, 10, 3)
     backend.answer(2, 10, 3)
     assert checks.after_step(11, _step_metrics(live, owner=0, shard=0, fps=[3]), snaps) is None
     assert checks.grads.floor(live) == 10 and snaps.calls[-1] == 8  # the state check is older
-    assert checks.after_step(12, _step_metrics(live, state_fp=GOOD), snaps) is None
+    assert checks.after_step(13, _step_metrics(live, state_fp=GOOD, at=12), snaps) is None
     assert snaps.calls[-1] == 10  # now the cross-check is
 
 
@@ -629,8 +656,8 @@ def test_checks_state_divergence_takes_precedence_over_the_cross_check():
     backend, snaps = FakeBackend(), FakeSnapshots()
     live = [0, 1, 2]
     checks.issue(10, live, _assign(live), backend)
-    metrics = _step_metrics(live, owner=0, shard=0, fps=[3], state_fp=GOOD)
-    metrics[(2, 0)]["fingerprint"] = [12, 12, 12, 12]
+    metrics = _step_metrics(live, owner=0, shard=0, fps=[3], state_fp=GOOD, at=11)
+    metrics[(2, 0)]["fingerprints"] = {11: [12, 12, 12, 12]}
     found = checks.after_step(11, metrics, snaps)
     assert found.named == ((2, 0),) and found.step == 11 and backend.fetched == []
     assert [n for n, _ in events] == ["diverged"]

@@ -52,7 +52,8 @@ def test_a_corrupted_slice_is_named_evicted_and_the_run_rolled_back(nodes, lm_fa
     assert report.steps_completed == STEPS
     [diverged] = events(report, "diverged")
     # The bit flips in the state the fault step's apply (or, if the fault
-    # landed after it, the next one) makes: found at that very step.
+    # landed after it, the next one) makes; its fingerprint, made while
+    # the next step's gradients compute, comes with the next apply.
     assert diverged["step"] in (FAULT_AT + 1, FAULT_AT + 2), diverged
     assert diverged["named"] == [[1, 0]]
     [f] = report.failures
@@ -98,6 +99,20 @@ def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):
     assert not report.failures  # nothing to evict: the flip was once, and the rollback undid it
     restore = [e for e in events(report, "restore") if e.get("verified")][-1]
     assert restore["step"] <= diverged["verified"] < diverged["step"]
+    assert_same_state(trainer.final_state, ref.final_state, STEPS)
+
+
+def test_a_bit_flipped_by_the_last_apply_is_caught_before_the_run_ends(nodes, lm_factory, monkeypatch):
+    """No apply follows the last one to report its state's fingerprint:
+    the last apply fingerprints it itself, so the run does not end on it."""
+    monkeypatch.setenv("RAY_ELASTIC_PIPELINE", "0")  # the fault lands before the last apply is issued
+    nodes(2)
+    config = ElasticConfig(num_slices=2, policy="resize", state_check_every=1)
+    ref, _ = _run(lm_factory, config)
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 0, STEPS - 1, target="state"),))
+    [diverged] = events(report, "diverged")
+    assert diverged["step"] == STEPS and diverged["verified"] == STEPS - 1, diverged
+    assert report.steps_completed == STEPS
     assert_same_state(trainer.final_state, ref.final_state, STEPS)
 
 

@@ -40,13 +40,13 @@ class RayBackend:
         compile_cache_dir: str = "", provisioner: Optional[type] = None,
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
-        state_check_every: int = 0, grad_check_every: int = 0,
+        state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0,
     ):
         cls = provisioner or RaySlices
         self._slices: SliceProvisioner = cls(
             spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
             warm_workers=warm_workers, state_check_every=state_check_every,
-            grad_check_every=grad_check_every,
+            grad_check_every=grad_check_every, final_step=final_step,
         )
         probe = RayProbe()
         beats = probe.heartbeats(clock, heartbeat_timeout_s) if heartbeat_timeout_s > 0 else None

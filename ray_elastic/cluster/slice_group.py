@@ -87,7 +87,7 @@ class SliceProvisioner(Protocol):
 
     def __init__(self, spec: SliceSpec, program_factory: Callable[[], TrainProgram], seed: int, num_shards: int,
                  run_name: str, compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0,
-                 grad_check_every: int = 0): ...
+                 grad_check_every: int = 0, final_step: int = 0): ...
 
     def start(self, slice_id: int) -> Provisioning:
         """Queue a slice's workers (on its placement group, made if new)."""
@@ -124,10 +124,11 @@ class RaySlices:
         warm_workers: int = 0,
         state_check_every: int = 0,
         grad_check_every: int = 0,
+        final_step: int = 0,
     ):
         self.spec = spec
         self._warm = warm_workers
-        self._checks = (state_check_every, grad_check_every)
+        self._checks = (state_check_every, grad_check_every, final_step)
         # The warm pool's set-up hook is part of the workers' runtime
         # environment, so the processes it keeps match the next replacement.
         self._env = {**worker_env(spec),

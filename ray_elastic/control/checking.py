@@ -51,7 +51,7 @@ class Checks:
         the snapshot store which snapshots no corruption can have reached;
         look for a straggler (`spare_ready`: a ready slice could take its
         place)."""
-        found = self.state.check(step, metrics) if self.state.every else None
+        found = self.state.check(metrics) if self.state.every else None
         issued, self._issued = self._issued, None
         if found is None and issued is not None and issued[0].step == step - 1:
             found = self.grads.judge(issued[0], self._prints(issued, metrics))

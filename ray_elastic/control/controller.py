@@ -226,7 +226,7 @@ class Controller:
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
             warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
             heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
-            grad_check_every=c.grad_check_every)
+            grad_check_every=c.grad_check_every, final_step=self.steps)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}

@@ -2,9 +2,11 @@
 bitwise identical after every step, so fingerprints of it that differ
 mean one slice's memory or math went wrong (silent data corruption).
 
-Every `state_check_every` steps each host returns, with its apply's
-metrics, one fingerprint per local device of the shards that device holds
-(worker/fingerprint.py). The same host index of every slice holds the same
+Every `state_check_every` steps each host fingerprints its new state,
+one fingerprint per local device of the shards that device holds
+(worker/fingerprint.py), on a thread while the next step's gradients
+compute, and returns it with the next apply's metrics (with the same
+apply at the run's last step: worker/state_prints.py). The same host index of every slice holds the same
 shards, so they are compared host by host:
 - under a replicated layout every device of a slice holds the same bits,
   so a slice whose devices disagree among themselves names itself;
@@ -76,17 +78,31 @@ class StateChecks:
 
     @staticmethod
     def timing(metrics: Mapping[tuple[int, int], dict]) -> dict:
-        """{"check_s": the slowest host's fingerprint seconds} for a checked
-        step's metrics (what the check cost the step); {} otherwise."""
+        """For a step whose metrics carry fingerprints: {"check_s": the
+        slowest host's seconds fingerprinting (on its fingerprint thread,
+        while the step's gradients computed), "check_wait_s": the longest
+        any host's apply waited for one (what the check added to the
+        step)}; {} otherwise."""
         took = [m["fingerprint_s"] for m in metrics.values() if "fingerprint_s" in m]
-        return {"check_s": max(took)} if took else {}
+        waited = [m.get("fingerprint_wait_s", 0.0) for m in metrics.values() if "fingerprint_s" in m]
+        return {"check_s": max(took), "check_wait_s": max(waited)} if took else {}
 
-    def check(self, step: int, metrics: Mapping[tuple[int, int], dict]) -> Optional[Divergence]:
-        """Compare the fingerprints in the step's metrics ((slice, host) ->
-        the apply's metrics); None when they agree (or there are none)."""
-        prints = {key: tuple(m["fingerprint"]) for key, m in metrics.items() if "fingerprint" in m}
-        if not prints:
-            return None
+    def check(self, metrics: Mapping[tuple[int, int], dict]) -> Optional[Divergence]:
+        """Compare the fingerprints in a step's metrics ((slice, host) ->
+        the apply's metrics, whose "fingerprints" are {state's step:
+        prints}: a host reports the state it held at the step's start,
+        and the new one at the run's last step); None when they agree (or
+        there are none)."""
+        steps = sorted({t for m in metrics.values() for t in m.get("fingerprints", {})})
+        for t in steps:
+            prints = {key: tuple(m["fingerprints"][t]) for key, m in metrics.items() if t in m.get("fingerprints", {})}
+            found = self._compare(t, prints, metrics)
+            if found is not None:
+                return found
+        return None
+
+    def _compare(self, step: int, prints: Mapping[tuple[int, int], tuple], metrics) -> Optional[Divergence]:
+        """The fingerprints of the state of `step`, (slice, host) -> prints."""
         odd: set[tuple[int, int]] = set()
         notes = []
         for key, fp in prints.items():
@@ -109,10 +125,9 @@ class StateChecks:
                 unresolved = True
                 notes.append(f"host {host}: no majority among slices {sorted(by_slice)}")
         if not odd and not unresolved:
-            self.verified = step
+            self.verified = max(self.verified, step)
             return None
         return Divergence(step, tuple(sorted(odd)), self.verified, "; ".join(notes))
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -119,19 +119,21 @@ class SliceWorker:
         return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
     def setup(self, coordinator: Optional[str], compile_cache_dir: str = "", warm_workers: int = 0,
-              state_check_every: int = 0, grad_check_every: int = 0) -> dict:
+              state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0) -> dict:
         """Start JAX, build the program, compile the step (the step-0 state
         is made when first needed); then ask this host's raylet for
         `warm_workers` idle processes for a replacement to start in
         (worker/warm_pool.py), off the set-up's path. The state of every
         `state_check_every`-th step is fingerprinted, and the gradients of
-        every `grad_check_every`-th (0: never).
+        every `grad_check_every`-th (0: never); `final_step`: the run's
+        last, whose state is fingerprinted within its apply.
 
         Returns setup_s, devices, per_host (whether the state moves host to
         host: a sharded layout), ready_at and `phases`: seconds per part of
         the way from the actor's creation to ready (readiness.py)."""
         out = self._setup(coordinator, compile_cache_dir)
         self._steps.check_every, self._steps.grad_check_every = state_check_every, grad_check_every
+        self._steps.final_step = final_step
         if warm_workers:
             threading.Thread(target=keep_warm, args=(warm_workers,), daemon=True, name="warm-pool").start()
         return out

@@ -27,6 +27,9 @@ class HeldState:
         self.opt_state: Any = None
         self.step = -1
         self.last_apply: Optional[dict] = None
+        # Counts the states held other than by an apply (set-up, loads): a
+        # fingerprint begun of one is void once another is held.
+        self.generation = 0
         # Held by an apply and by a copy of the state (a donor's `state`,
         # on a second actor thread), so that the apply does not replace
         # the state while it is being copied.
@@ -40,6 +43,7 @@ class HeldState:
         state instead."""
         self.params = self.opt_state = None
         self.step = 0
+        self.generation += 1
         self._initial = initial
 
     def ensure(self) -> None:
@@ -68,4 +72,5 @@ class HeldState:
             self.params, self.opt_state = make()
             self.step = step
             self.last_apply = None
+            self.generation += 1
         return step

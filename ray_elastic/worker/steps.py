@@ -22,13 +22,14 @@ import numpy as np
 
 from ray_elastic.worker.batches import BatchReader
 from ray_elastic.worker.exchange_stats import ExchangeStats
-from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, host_fingerprint, state_fingerprint
+from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, host_fingerprint
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
 from ray_elastic.worker.reduction import divided, eval_values, reduce_pieces, step_values
 from ray_elastic.worker.setup import CompiledStep, StateLayout
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
+from ray_elastic.worker.state_prints import StatePrints
 from ray_elastic.worker.transfer import device_array
 
 __all__ = ["SliceSteps"]
@@ -57,8 +58,11 @@ class SliceSteps:
         self._batches = BatchReader(layout.program, seed, num_shards, compiled.rows, compiled.eval_rows)
         self.delay_s = 0.0  # added to every gradient call: a `slow` fault (SliceWorker.slow_down)
         # Steps whose new state is fingerprinted (0: none): the controller
-        # compares the replicas (control/integrity.py).
+        # compares the replicas (control/integrity.py); off the step's path
+        # (state_prints.py) but for the run's last step.
         self.check_every = 0
+        self.final_step = 0
+        self._prints = StatePrints()
         # Steps at which the gradients sent are fingerprinted (0: none), for
         # the controller's cross-checks; the last such step's prints.
         self.grad_check_every = 0
@@ -181,6 +185,13 @@ class SliceSteps:
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to apply {step}")
         held.ensure()
+        # The held state's fingerprint, begun by the last apply: (seconds
+        # spent on it, seconds this apply waited for it).
+        checked, spent = {}, (0.0, 0.0)
+        got = self._prints.take(step, held.generation)
+        if got is not None:
+            checked[step], spent = got[0], got[1:]
+        self._prints.wait()  # the update below donates the arrays it reads
         total = reduce_pieces(jax.tree.map, None, parts, self._state_op)
         values = step_values(total, program.aux)
         if not math.isfinite(values.loss) and program.post_update is None:
@@ -207,13 +218,18 @@ class SliceSteps:
         if self._grad_prints[0] == step:  # this step's gradients were fingerprinted: a cross-check's
             metrics["grad_prints"] = dict(self._grad_prints[1])
         if self.check_every and (step + 1) % self.check_every == 0:
-            # Every device's fingerprint of the shards it holds; under a
-            # replicated layout they must all be equal.
-            jax.block_until_ready((held.params, held.opt_state))  # the update first: it is not the check's time
-            t0 = time.perf_counter()
-            metrics["fingerprint"] = state_fingerprint((held.params, held.opt_state))
-            metrics["fingerprint_s"] = time.perf_counter() - t0
-            metrics["replicated"] = not layout.sharded
+            tree = (held.params, held.opt_state)
+            if step + 1 == self.final_step:  # no apply follows to report it
+                prints, took = self._prints.now(tree)
+                checked[step + 1] = prints
+                spent = (spent[0] + took, spent[1] + took)
+            else:
+                self._prints.begin(step + 1, held.generation, tree)
+        if checked:
+            # {state's step: every device's fingerprint of the shards it
+            # holds}; under a replicated layout a host's must all be equal.
+            metrics.update(fingerprints=checked, fingerprint_s=spent[0], fingerprint_wait_s=spent[1],
+                           replicated=not layout.sharded)
         evaluated = eval_values(total, program.eval_aux)
         if evaluated is not None:  # of the state this step started from
             metrics["aux"] = {**values.aux, "eval/loss": evaluated.loss,
