@@ -231,8 +231,13 @@ def summary(r: dict) -> dict:
         waits = [x["median_wait_s"] for x in rows if x.get("median_wait_s") is not None]
         if on and off:
             m_on, m_off = statistics.median(on), statistics.median(off)
+            by_round = {(x["round"], x["every"]): x["median_step_s"] for x in rows}
+            pairs = [100.0 * (by_round[r, 1] / by_round[r, 0] - 1) for r in sorted({x["round"] for x in rows})
+                     if (r, 1) in by_round and (r, 0) in by_round]
             out[size] = {"median_step_on_s": m_on, "median_step_off_s": m_off,
                          "step_difference_pct": 100.0 * (m_on - m_off) / m_off,
+                         "round_differences_pct": pairs,
+                         "median_round_difference_pct": statistics.median(pairs) if pairs else None,
                          "median_check_s": statistics.median(checks) if checks else None,
                          "check_pct_of_step": 100.0 * statistics.median(checks) / m_off if checks else None,
                          "median_wait_s": statistics.median(waits) if waits else None,
@@ -242,12 +247,15 @@ def summary(r: dict) -> dict:
 
 def table(r: dict) -> str:
     lines = [f"### State checks: every step against off ({r['rounds']} alternated rounds, medians)", "",
-             "| model | median step, checks on (s) | off (s) | difference | fingerprint, on its thread (s) | "
-             "apply waited for it (s) | waited / step |", "|---|---|---|---|---|---|---|"]
+             "| model | median step, checks on (s) | off (s) | difference | per round (median) | "
+             "fingerprint, on its thread (s) | apply waited for it (s) | waited / step |",
+             "|---|---|---|---|---|---|---|---|"]
     for size, s in summary(r).items():
         wait = "" if s["median_wait_s"] is None else f"{s['median_wait_s']:.5f} | {s['wait_pct_of_step']:.2f}%"
+        rounds = ", ".join(f"{d:+.1f}%" for d in s["round_differences_pct"])
         lines.append(f"| {size} | {s['median_step_on_s']:.4f} | {s['median_step_off_s']:.4f} | "
-                     f"{s['step_difference_pct']:+.1f}% | {s['median_check_s']:.5f} | {wait} |")
+                     f"{s['step_difference_pct']:+.1f}% | {rounds} ({s['median_round_difference_pct']:+.1f}%) | "
+                     f"{s['median_check_s']:.5f} | {wait} |")
     x = r.get("cross")
     if x:
         lines += ["", f"### Gradient cross-checks (3 slices, one every {x['grad_check_every']} steps, "

@@ -39,6 +39,9 @@ def test_summary_takes_medians_over_rounds():
     assert s["small"]["median_step_on_s"] == (0.080 + 0.099) / 2 and s["small"]["median_step_off_s"] == 0.093
     assert abs(s["large"]["check_pct_of_step"] - 100 * 0.003 / 4.38) < 1e-9
     assert abs(s["small"]["wait_pct_of_step"] - 100 * 0.0004 / 0.093) < 1e-9
+    # Each round's on against its own off: 0.080/0.092 and 0.099/0.094.
+    assert [round(d, 6) for d in s["small"]["round_differences_pct"]] == [round(100 * (0.080 / 0.092 - 1), 6),
+                                                                          round(100 * (0.099 / 0.094 - 1), 6)]
 
 
 def test_tables_and_files(tmp_path):

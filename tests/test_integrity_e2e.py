@@ -2,8 +2,9 @@
 bit in one worker's state (on one device, after its apply), the state
 fingerprints differ, and the run names the slice, evicts it (its
 replacement lands on another node), rolls back to the newest verified
-snapshot and ends bitwise equal to a failure-free run. With two slices
-and nothing to tell them apart, the run rolls back without evicting."""
+snapshot and ends bitwise equal to a failure-free run. With two slices a
+tie-break names the slice: a spare, or each slice, replays the steps
+since the verified snapshot."""
 
 from __future__ import annotations
 
@@ -89,16 +90,42 @@ def test_a_slice_corrupting_its_gradients_is_caught_by_a_cross_check(nodes, lm_f
     assert_same_state(trainer.final_state, ref3.final_state, STEPS)
 
 
-def test_two_slices_that_disagree_roll_back_without_evicting(nodes, lm_factory):
+def test_two_slices_that_disagree_are_told_apart_by_replaying_from_the_verified_snapshot(nodes, lm_factory):
+    """No majority and no spare: each slice replays the steps since the
+    verified snapshot alone; the one whose bit flipped (once) does not
+    make its state again, the other does, so the first is named, evicted,
+    and the run goes on on the other (resize)."""
     nodes(2)
     config = ElasticConfig(num_slices=2, policy="resize", state_check_every=1)
     ref, _ = _run(lm_factory, config)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 0, FAULT_AT, target="state"),))
+    [tie] = events(report, "tie_break")
     [diverged] = events(report, "diverged")
-    assert diverged["named"] == [] and "no majority" in diverged["detail"]
-    assert not report.failures  # nothing to evict: the flip was once, and the rollback undid it
+    assert tie["by"] == "replay" and tie["slices"] == [0, 1] and tie["named"] == [[0, 0]], tie
+    assert tie["replayed_from"] <= diverged["verified"] < tie["step"] == diverged["step"]
+    assert diverged["named"] == [[0, 0]] and "tie-break" in diverged["detail"]
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 0 and f.restored_from == "snapshot"
     restore = [e for e in events(report, "restore") if e.get("verified")][-1]
-    assert restore["step"] <= diverged["verified"] < diverged["step"]
+    assert restore["step"] <= diverged["verified"]
+    assert report.steps_completed == STEPS
+    assert_same_state(trainer.final_state, ref.final_state, STEPS)
+
+
+def test_a_spare_breaks_the_tie_between_two_slices(nodes, lm_factory):
+    """Two slices and a ready spare: the spare replays from the verified
+    snapshot, agrees with the slice whose state is right, and the other is
+    named and replaced by the spare."""
+    nodes(4)  # two slices, the spare, and the evicted one's replacement (the next spare)
+    config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, state_check_every=1)
+    ref, _ = _run(lm_factory, ElasticConfig(num_slices=2, policy="pause", state_check_every=1))
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
+    [tie] = events(report, "tie_break")
+    assert tie["by"] == "spare" and tie["slices"] == [2] and tie["named"] == [[1, 0]], tie
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 1
+    assert 2 in next(e for e in events(report, "grow"))["joined"]  # the spare took its place
+    assert report.steps_completed == STEPS
     assert_same_state(trainer.final_state, ref.final_state, STEPS)
 
 

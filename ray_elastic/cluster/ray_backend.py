@@ -135,6 +135,9 @@ class RayBackend:
         return [w.recompute.options(concurrency_group="compute").remote(step, shard)
                 for w in self._up[slice_id].workers]
 
+    def replay(self, slice_id: int, to_step: int) -> list:
+        return [w.replay.options(concurrency_group="compute").remote(to_step) for w in self._up[slice_id].workers]
+
     # -- steps and state --------------------------------------------------
 
     def _live(self, slices: Sequence[int]) -> dict[int, LiveSlice]:

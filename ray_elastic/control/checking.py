@@ -13,11 +13,12 @@ it (`no_ahead`): a call issued ahead could run first and move the state.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.integrity import CrossCheck, Divergence, GradChecks, StateChecks
 from ray_elastic.control.stragglers import Straggler, Stragglers
+from ray_elastic.control.tie_break import settle
 
 __all__ = ["Checks"]
 
@@ -46,12 +47,14 @@ class Checks:
             self._issued = (check, {s: backend.recompute(s, step, check.shard) for s in check.checkers})
 
     def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots,
-                   spare_ready: bool = False) -> Optional[Divergence | Straggler]:
-        """Step `step` is done (the state is that of `step`): compare; tell
-        the snapshot store which snapshots no corruption can have reached;
-        look for a straggler (`spare_ready`: a ready slice could take its
-        place)."""
+                   spares: Sequence[int] = (), backend: Any = None) -> Optional[Divergence | Straggler]:
+        """Step `step` is done (the state is that of `step`): compare (two
+        replicas that differ go to a tie-break on `backend`); tell the
+        snapshot store which snapshots no corruption can have reached; look
+        for a straggler (`spares`: ready slices that could take its place)."""
         found = self.state.check(metrics) if self.state.every else None
+        if found is not None and not found.named and backend is not None:
+            found = settle(found, metrics, snapshots, backend, spares, self._event)
         issued, self._issued = self._issued, None
         if found is None and issued is not None and issued[0].step == step - 1:
             found = self.grads.judge(issued[0], self._prints(issued, metrics))
@@ -62,7 +65,7 @@ class Checks:
             self._event("diverged", step=found.step, named=[list(k) for k in found.named], verified=found.verified,
                         detail=found.detail)
             return found
-        slow = self.stragglers.observe(step, metrics, spare_ready=spare_ready, policy=self._config.policy,
+        slow = self.stragglers.observe(step, metrics, spare_ready=bool(spares), policy=self._config.policy,
                                        required=self._config.required_slices)
         if slow is not None:
             self._event("straggler", step=step, slice=slow.slice_id, host=slow.host, ratio=slow.ratio,

@@ -72,13 +72,15 @@ class SliceSteps:
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
 
-    def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
+    def grads(self, step: int, shards: tuple[int, ...],
+              alone: bool = False) -> tuple[Optional[dict], Optional[dict]]:
         """(status, payload) of the gradients of `shards` at the held
         state, which must be that of step `step`: status {"loss": {shard:
         loss}} for the controller, payload {"grads", "loss", "weight",
         "aux", "model_state", "from_slice"} (per shard) for the slices that
         reduce or apply it; (None, None) from the hosts but 0 of a
-        replicated slice."""
+        replicated slice, unless `alone` (a replay: every host applies its
+        own)."""
         import jax
 
         held, layout = self._held, self._layout
@@ -88,7 +90,7 @@ class SliceSteps:
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
-        speaks = layout.sharded or self._host == 0
+        speaks = layout.sharded or self._host == 0 or alone
         out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}}
         at_step = device_array(np.int32(step), layout.replicated)
         for shard in shards:
@@ -145,6 +147,20 @@ class SliceSteps:
         if self.corrupt is not None and self.corrupt == ("grads", True):  # a chip gone bad computes this wrong too
             payload = flip_payload_bit(payload)
         return host_fingerprint(payload)
+
+    def replay(self, to_step: int) -> list[int]:
+        """A tie-break between two replicas that differ: the held state (a
+        verified snapshot, just loaded) taken on to step `to_step` by this
+        slice alone, every shard computed here and summed in shard order
+        as in any step, so a healthy slice makes the very bits every
+        replica should hold; its fingerprint then. The caller holds the
+        state's lock."""
+        held, shards = self._held, tuple(range(self._num_shards))
+        while held.step < to_step:
+            _, payload = self.grads(held.step, shards, alone=True)
+            self.apply(held.step, (payload,))
+        self._prints.wait()
+        return self._prints.now((held.params, held.opt_state))[0]
 
     def _grad_check_due(self, step: int) -> bool:
         return bool(self.grad_check_every) and step > 0 and step % self.grad_check_every == 0

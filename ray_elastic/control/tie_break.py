@@ -1,0 +1,101 @@
+"""The tie-break between two replicas whose states differ.
+
+With two slices a state check that disagrees cannot say which one went
+wrong (control/integrity.py). Every step is a deterministic function of
+(state, step, shards), whichever slice computes it, so the state the
+replicas should hold at the divergent step can be made again from the
+newest snapshot both agreed on, and compared:
+
+- with a ready spare: the spare loads that snapshot and replays the steps
+  alone, every shard computed on it: a third computation, on other chips;
+  a slice whose fingerprints differ from the spare's is named (none when
+  both do);
+- without one, each of the two slices loads it and replays the steps
+  alone: a slice whose replay makes its own state of that step again is
+  consistent; when exactly one of the two is, the other is named (its
+  state was made wrong once, or its chips make wrong numbers unevenly).
+  Two that each repeat their own result (a fault that repeats exactly) or
+  neither leave it unnamed, as before.
+
+Either way the run then goes on as after any divergence: a named slice is
+evicted, and every live slice rolls back to the verified snapshot (the
+replays' states are not kept: a named slice's would be the suspect one).
+`judge` is pure; `settle` carries the replays out on the backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Mapping, Optional, Sequence
+
+from ray_elastic.control.integrity import Divergence
+
+__all__ = ["judge", "settle"]
+
+# Seconds a replay may take: set-up margin, plus per step replayed (one
+# slice computes every shard of it: about twice a step of two slices).
+_REPLAY_BASE_S, _REPLAY_PER_STEP_S = 60.0, 30.0
+
+Prints = Mapping[int, tuple]  # host -> that host's fingerprints of the state
+
+
+def judge(found: Divergence, original: Mapping[int, Prints], replayed: Mapping[int, Prints],
+          spare: Optional[int] = None) -> Divergence:
+    """`found` (unnamed, two slices) with the slice the replays single out
+    named, or as it was. `original`: each slice's fingerprints of the
+    state of `found.step`; `replayed`: those of the same state made again
+    (by the `spare`, or by each slice itself), for the slices whose replay
+    came back."""
+    if spare is not None:
+        truth = replayed.get(spare)
+        if truth is None:
+            return found
+        odd = sorted((s, h) for s, prints in original.items() for h, fp in prints.items() if truth.get(h) != fp)
+        if not odd or len({s for s, _ in odd}) == len(original):  # none, or both: no majority
+            return found
+        how = f"the spare, slice {spare}, replayed it and agrees with the other"
+    else:
+        consistent = {s for s in original if replayed.get(s) == original[s]}
+        if len(consistent) != 1 or len(replayed) != len(original):
+            return found
+        [bad] = [s for s in original if s not in consistent]
+        odd = sorted((bad, h) for h, fp in original[bad].items() if original[next(iter(consistent))].get(h) != fp)
+        how = (f"each slice replayed it alone: slice {next(iter(consistent))} made its own state again, "
+               f"slice {bad} did not")
+    return dataclasses.replace(found, named=tuple(odd), detail=f"{found.detail}; tie-break: {how}")
+
+
+def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots, backend,
+           spares: Sequence[int], event: Callable[..., None], clock: Callable[[], float] = time.monotonic
+           ) -> Divergence:
+    """Try to name the slice behind an unnamed state divergence between
+    two slices (a `tie_break` event says how it went); `found` as it was
+    when there is nothing to replay from or the replays fail."""
+    original: dict = {}
+    for (s, h), m in metrics.items():
+        fp = m.get("fingerprints", {}).get(found.step)
+        if fp is not None:
+            original.setdefault(s, {})[h] = tuple(fp)
+    got = snapshots.restore_source(backend.node_alive, at_most=found.verified)
+    if found.named or len(original) != 2 or got is None:
+        return found
+    start, ref = got
+    spare = min(spares) if spares else None
+    replayers = [spare] if spare is not None else sorted(original)
+    t0, timeout = clock(), _REPLAY_BASE_S + _REPLAY_PER_STEP_S * (found.step - start)
+    replayed: dict = {}
+    try:
+        backend.load(replayers, ref, timeout_s=_REPLAY_BASE_S)
+        refs = {s: backend.replay(s, found.step) for s in replayers}
+        for s, host_refs in refs.items():
+            try:
+                replayed[s] = {h: tuple(fp) for h, fp in enumerate(backend.fetch(host_refs, timeout_s=timeout))}
+            except Exception:  # that slice's replay failed or hung: no vote from it
+                continue
+    except Exception:  # a replayer lost while loading: nothing to judge by
+        pass
+    settled = judge(found, original, replayed, spare)
+    event("tie_break", step=found.step, replayed_from=start, by="spare" if spare is not None else "replay",
+          slices=replayers, named=[list(k) for k in settled.named], seconds=round(clock() - t0, 3))
+    return settled

@@ -1,0 +1,129 @@
+"""Unit tests (no Ray cluster, no JAX) for the tie-break between two
+replicas whose states differ (ray_elastic.control.tie_break): which slice
+the replays name, and how `settle` drives the backend (a fake), falls
+back when there is nothing to replay from, and reports it."""
+
+from __future__ import annotations
+
+from ray_elastic.control.integrity import Divergence
+from ray_elastic.control.tie_break import judge, settle
+
+GOOD, BAD, ODD = (11, 11), (12, 12), (13, 13)
+FOUND = Divergence(step=8, named=(), verified=5, detail="host 0: no majority among slices [0, 1]")
+
+
+def test_the_spare_agrees_with_one_slice_and_names_the_other():
+    got = judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {2: {0: GOOD}}, spare=2)
+    assert got.named == ((1, 0),) and "spare, slice 2" in got.detail and got.detail.startswith(FOUND.detail)
+    assert got.failure().slice_id == 1 and got.failure().step == 7
+    got = judge(FOUND, {0: {0: BAD}, 1: {0: GOOD}}, {2: {0: GOOD}}, spare=2)
+    assert got.named == ((0, 0),)
+
+
+def test_a_spare_that_agrees_with_neither_or_did_not_answer_names_no_one():
+    assert judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {2: {0: ODD}}, spare=2) == FOUND
+    assert judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {}, spare=2) == FOUND
+
+
+def test_the_spare_names_per_host_of_a_multi_host_slice():
+    original = {0: {0: GOOD, 1: GOOD}, 1: {0: GOOD, 1: BAD}}
+    got = judge(FOUND, original, {2: {0: GOOD, 1: GOOD}}, spare=2)
+    assert got.named == ((1, 1),)
+
+
+def test_without_a_spare_the_slice_that_cannot_repeat_its_state_is_named():
+    # A flip once in slice 1's memory: both replays make the good state.
+    got = judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {0: {0: GOOD}, 1: {0: GOOD}})
+    assert got.named == ((1, 0),) and "slice 0 made its own state again, slice 1 did not" in got.detail
+    # Chips that compute wrong unevenly: slice 0 repeats itself, slice 1 makes a third value.
+    assert judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {0: {0: GOOD}, 1: {0: ODD}}).named == ((1, 0),)
+    assert judge(FOUND, {0: {0: BAD}, 1: {0: GOOD}}, {0: {0: GOOD}, 1: {0: GOOD}}).named == ((0, 0),)
+
+
+def test_without_a_spare_two_that_each_repeat_themselves_or_a_missing_replay_name_no_one():
+    assert judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {0: {0: GOOD}, 1: {0: BAD}}) == FOUND
+    assert judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {0: {0: ODD}, 1: {0: ODD}}) == FOUND
+    assert judge(FOUND, {0: {0: GOOD}, 1: {0: BAD}}, {0: {0: GOOD}}) == FOUND  # slice 1's replay failed
+
+
+class FakeSnapshots:
+    def __init__(self, newest=(5, "snap@5")):
+        self.newest, self.asked = newest, []
+
+    def restore_source(self, node_alive, at_most=None):
+        self.asked.append(at_most)
+        return self.newest if self.newest and self.newest[0] <= at_most else None
+
+
+class FakeBackend:
+    """load and replay record their calls; fetch answers the prints set per slice."""
+
+    def __init__(self, prints, fail_fetch=()):
+        self.prints, self.fail_fetch = prints, set(fail_fetch)
+        self.loads, self.replays = [], []
+
+    def node_alive(self, node_id):
+        return True
+
+    def load(self, slices, source, timeout_s):
+        self.loads.append((list(slices), source))
+
+    def replay(self, slice_id, to_step):
+        self.replays.append((slice_id, to_step))
+        return [(slice_id, h) for h in range(len(self.prints[slice_id]))]
+
+    def fetch(self, refs, timeout_s=None):
+        assert timeout_s and timeout_s > 0
+        if refs[0][0] in self.fail_fetch:
+            raise TimeoutError("replay hung")
+        return [list(self.prints[s][h]) for s, h in refs]
+
+
+def _metrics(prints, at=8):
+    return {(s, h): {"loss": 1.0, "fingerprints": {at: list(fp)}} for s, hosts in prints.items()
+            for h, fp in enumerate(hosts)}
+
+
+def _clock():
+    t = iter(range(100))
+    return lambda: float(next(t))
+
+
+def test_settle_replays_on_the_spare_from_the_newest_verified_snapshot():
+    events = []
+    backend = FakeBackend({2: [GOOD]})
+    got = settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(), backend, [3, 2],
+                 lambda name, **f: events.append((name, f)), clock=_clock())
+    assert got.named == ((0, 0),)
+    assert backend.loads == [([2], "snap@5")] and backend.replays == [(2, 8)]
+    assert events == [("tie_break", {"step": 8, "replayed_from": 5, "by": "spare", "slices": [2],
+                                     "named": [[0, 0]], "seconds": 1.0})]
+
+
+def test_settle_without_a_spare_replays_on_both_slices():
+    events = []
+    backend = FakeBackend({0: [GOOD], 1: [GOOD]})
+    got = settle(FOUND, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [],
+                 lambda name, **f: events.append((name, f)), clock=_clock())
+    assert got.named == ((1, 0),) and backend.loads == [([0, 1], "snap@5")]
+    assert sorted(backend.replays) == [(0, 8), (1, 8)] and events[0][1]["by"] == "replay"
+
+
+def test_settle_a_hung_replay_gives_no_vote():
+    backend = FakeBackend({0: [GOOD], 1: [GOOD]}, fail_fetch={1})
+    assert settle(FOUND, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [],
+                  lambda *a, **f: None) == FOUND
+
+
+def test_settle_leaves_it_when_there_is_nothing_to_replay_or_to_break():
+    events = []
+    ev = lambda name, **f: events.append(name)  # noqa: E731
+    backend = FakeBackend({2: [GOOD]})
+    # No verified snapshot at or before the verified step.
+    assert settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(newest=(7, "s")), backend, [2], ev) == FOUND
+    # Three slices: a majority's job, not a tie-break's.
+    assert settle(FOUND, _metrics({0: [BAD], 1: [GOOD], 2: [ODD]}), FakeSnapshots(), backend, [], ev) == FOUND
+    # Already named (a replicated slice whose devices disagree).
+    named = Divergence(8, ((1, 0),), 5, "d")
+    assert settle(named, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [2], ev) is named
+    assert backend.loads == [] and events == []
