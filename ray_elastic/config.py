@@ -196,8 +196,9 @@ class ElasticConfig:
         whichever is longer. 0 turns heartbeats off.
     state_check_every: every this many steps each device fingerprints the
         state it holds and the controller compares the replicas (default
-        10: a checked step's apply waits for its update and reads the state
-        once, about 1% of the run at this interval; 1 checks every step). A slice whose state differs from the others' is
+        10; 1 checks every step: a thread reads the state while the next
+        step's gradients compute, and the next apply reports it; a slice
+        of several hosts reads it within the apply). A slice whose state differs from the others' is
         evicted as corrupted and the run rolls back to the newest snapshot
         the replicas agreed on (control/integrity.py, docs/integrity.md).
         0 turns the checks off.

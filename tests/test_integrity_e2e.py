@@ -18,6 +18,10 @@ pytestmark = pytest.mark.cluster
 
 STEPS = 16
 FAULT_AT = 8
+# Snapshots every step, so that one of the verified step is there for a
+# tie-break to replay from (the interval chosen otherwise depends on this
+# machine's timings).
+EVERY_STEP = {"snapshot_every": 1, "snapshot_every_replicated": 1}
 
 
 def _run(factory, config, faults=()):
@@ -96,7 +100,7 @@ def test_two_slices_that_disagree_are_told_apart_by_replaying_from_the_verified_
     make its state again, the other does, so the first is named, evicted,
     and the run goes on on the other (resize)."""
     nodes(2)
-    config = ElasticConfig(num_slices=2, policy="resize", state_check_every=1)
+    config = ElasticConfig(num_slices=2, policy="resize", state_check_every=1, **EVERY_STEP)
     ref, _ = _run(lm_factory, config)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 0, FAULT_AT, target="state"),))
     [tie] = events(report, "tie_break")
@@ -117,7 +121,8 @@ def test_a_spare_breaks_the_tie_between_two_slices(nodes, lm_factory):
     snapshot, agrees with the slice whose state is right, and the other is
     named and replaced by the spare."""
     nodes(4)  # two slices, the spare, and the evicted one's replacement (the next spare)
-    config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, state_check_every=1)
+    config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, state_check_every=1,
+                           **EVERY_STEP)
     ref, _ = _run(lm_factory, ElasticConfig(num_slices=2, policy="pause", state_check_every=1))
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
     [tie] = events(report, "tie_break")

@@ -56,11 +56,12 @@ class FakeSnapshots:
 
 
 class FakeBackend:
-    """load and replay record their calls; fetch answers the prints set per slice."""
+    """load, run_step and fingerprint record their calls; fetch answers the
+    prints set per slice; a slice in `fail` raises in its replay's steps."""
 
-    def __init__(self, prints, fail_fetch=()):
-        self.prints, self.fail_fetch = prints, set(fail_fetch)
-        self.loads, self.replays = [], []
+    def __init__(self, prints, fail=()):
+        self.prints, self.fail = prints, set(fail)
+        self.loads, self.steps, self.printed = [], [], []
 
     def node_alive(self, node_id):
         return True
@@ -68,14 +69,18 @@ class FakeBackend:
     def load(self, slices, source, timeout_s):
         self.loads.append((list(slices), source))
 
-    def replay(self, slice_id, to_step):
-        self.replays.append((slice_id, to_step))
+    def run_step(self, step, slices, assignment, takers, deadline_s, on_issued, ahead=None):
+        assert takers == frozenset() and deadline_s > 0
+        if slices[0] in self.fail:
+            raise TimeoutError("replay hung")
+        self.steps.append((step, list(slices), dict(assignment)))
+
+    def fingerprint(self, slice_id):
+        self.printed.append(slice_id)
         return [(slice_id, h) for h in range(len(self.prints[slice_id]))]
 
     def fetch(self, refs, timeout_s=None):
         assert timeout_s and timeout_s > 0
-        if refs[0][0] in self.fail_fetch:
-            raise TimeoutError("replay hung")
         return [list(self.prints[s][h]) for s, h in refs]
 
 
@@ -92,10 +97,12 @@ def _clock():
 def test_settle_replays_on_the_spare_from_the_newest_verified_snapshot():
     events = []
     backend = FakeBackend({2: [GOOD]})
-    got = settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(), backend, [3, 2],
+    got = settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(), backend, [3, 2], 4,
                  lambda name, **f: events.append((name, f)), clock=_clock())
     assert got.named == ((0, 0),)
-    assert backend.loads == [([2], "snap@5")] and backend.replays == [(2, 8)]
+    # Steps 5, 6 and 7 on the spare alone, every shard its own: the state of step 8.
+    assert backend.loads == [([2], "snap@5")] and backend.printed == [2]
+    assert backend.steps == [(k, [2], {2: (0, 1, 2, 3)}) for k in (5, 6, 7)]
     assert events == [("tie_break", {"step": 8, "replayed_from": 5, "by": "spare", "slices": [2],
                                      "named": [[0, 0]], "seconds": 1.0})]
 
@@ -103,16 +110,18 @@ def test_settle_replays_on_the_spare_from_the_newest_verified_snapshot():
 def test_settle_without_a_spare_replays_on_both_slices():
     events = []
     backend = FakeBackend({0: [GOOD], 1: [GOOD]})
-    got = settle(FOUND, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [],
+    got = settle(FOUND, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [], 2,
                  lambda name, **f: events.append((name, f)), clock=_clock())
-    assert got.named == ((1, 0),) and backend.loads == [([0, 1], "snap@5")]
-    assert sorted(backend.replays) == [(0, 8), (1, 8)] and events[0][1]["by"] == "replay"
+    assert got.named == ((1, 0),) and backend.loads == [([0], "snap@5"), ([1], "snap@5")]
+    assert [(k, s) for k, s, _ in backend.steps] == [(5, [0]), (6, [0]), (7, [0]), (5, [1]), (6, [1]), (7, [1])]
+    assert events[0][1]["by"] == "replay" and events[0][1]["slices"] == [0, 1]
 
 
 def test_settle_a_hung_replay_gives_no_vote():
-    backend = FakeBackend({0: [GOOD], 1: [GOOD]}, fail_fetch={1})
-    assert settle(FOUND, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [],
+    backend = FakeBackend({0: [GOOD], 1: [GOOD]}, fail={1})
+    assert settle(FOUND, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [], 2,
                   lambda *a, **f: None) == FOUND
+    assert backend.printed == [0]
 
 
 def test_settle_leaves_it_when_there_is_nothing_to_replay_or_to_break():
@@ -120,10 +129,13 @@ def test_settle_leaves_it_when_there_is_nothing_to_replay_or_to_break():
     ev = lambda name, **f: events.append(name)  # noqa: E731
     backend = FakeBackend({2: [GOOD]})
     # No verified snapshot at or before the verified step.
-    assert settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(newest=(7, "s")), backend, [2], ev) == FOUND
+    assert settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(newest=(7, "s")), backend, [2], 2,
+                  ev) == FOUND
+    assert events == ["tie_break"]  # said, with the reason
+    events.clear()
     # Three slices: a majority's job, not a tie-break's.
-    assert settle(FOUND, _metrics({0: [BAD], 1: [GOOD], 2: [ODD]}), FakeSnapshots(), backend, [], ev) == FOUND
+    assert settle(FOUND, _metrics({0: [BAD], 1: [GOOD], 2: [ODD]}), FakeSnapshots(), backend, [], 2, ev) == FOUND
     # Already named (a replicated slice whose devices disagree).
     named = Divergence(8, ((1, 0),), 5, "d")
-    assert settle(named, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [2], ev) is named
+    assert settle(named, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [2], 2, ev) is named
     assert backend.loads == [] and events == []

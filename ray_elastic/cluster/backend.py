@@ -91,11 +91,9 @@ class SliceBackend(Protocol):
         again (a cross-check): each host's fingerprint of it (refs, for
         `fetch`), issued before the step's own calls."""
 
-    def replay(self, slice_id: int, to_step: int) -> list:
-        """Have the slice take the state it holds (a snapshot just loaded)
-        on to step `to_step` alone, every shard computed on it (a
-        tie-break): each host's fingerprint of the result (refs, for
-        `fetch`)."""
+    def fingerprint(self, slice_id: int) -> list:
+        """Each host's fingerprint of the state the slice holds (refs, for
+        `fetch`): a tie-break's, after the slice replayed steps alone."""
 
     def retire(self, slice_id: int) -> None:
         """Tear the slice's workers down (its placement group stays)."""

@@ -135,8 +135,8 @@ class RayBackend:
         return [w.recompute.options(concurrency_group="compute").remote(step, shard)
                 for w in self._up[slice_id].workers]
 
-    def replay(self, slice_id: int, to_step: int) -> list:
-        return [w.replay.options(concurrency_group="compute").remote(to_step) for w in self._up[slice_id].workers]
+    def fingerprint(self, slice_id: int) -> list:
+        return [w.fingerprint.options(concurrency_group="compute").remote() for w in self._up[slice_id].workers]
 
     # -- steps and state --------------------------------------------------
 

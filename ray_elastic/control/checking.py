@@ -54,7 +54,7 @@ class Checks:
         for a straggler (`spares`: ready slices that could take its place)."""
         found = self.state.check(metrics) if self.state.every else None
         if found is not None and not found.named and backend is not None:
-            found = settle(found, metrics, snapshots, backend, spares, self._event)
+            found = settle(found, metrics, snapshots, backend, spares, self._config.shards, self._event)
         issued, self._issued = self._issued, None
         if found is None and issued is not None and issued[0].step == step - 1:
             found = self.grads.judge(issued[0], self._prints(issued, metrics))

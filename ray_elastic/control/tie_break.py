@@ -7,7 +7,7 @@ replicas should hold at the divergent step can be made again from the
 newest snapshot both agreed on, and compared:
 
 - with a ready spare: the spare loads that snapshot and replays the steps
-  alone, every shard computed on it: a third computation, on other chips;
+  alone, every shard assigned to it: a third computation, on other chips;
   a slice whose fingerprints differ from the spare's is named (none when
   both do);
 - without one, each of the two slices loads it and replays the steps
@@ -33,8 +33,8 @@ from ray_elastic.control.integrity import Divergence
 
 __all__ = ["judge", "settle"]
 
-# Seconds a replay may take: set-up margin, plus per step replayed (one
-# slice computes every shard of it: about twice a step of two slices).
+# Seconds a replay's load and fingerprint may take, and each step of it
+# (one slice computes every shard: about twice a step of two slices).
 _REPLAY_BASE_S, _REPLAY_PER_STEP_S = 60.0, 30.0
 
 Prints = Mapping[int, tuple]  # host -> that host's fingerprints of the state
@@ -66,35 +66,52 @@ def judge(found: Divergence, original: Mapping[int, Prints], replayed: Mapping[i
     return dataclasses.replace(found, named=tuple(odd), detail=f"{found.detail}; tie-break: {how}")
 
 
-def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots, backend,
-           spares: Sequence[int], event: Callable[..., None], clock: Callable[[], float] = time.monotonic
-           ) -> Divergence:
+def _no_phase(phase: str = "grads") -> None:
+    """A replay's steps have no faults to fire as their phases are issued."""
+
+
+def _settle_calls(backend, slice_id: int, step: int) -> None:
+    """After a failed replay step: let the slice's calls still in flight
+    end (or give up waiting for inputs), so none runs under the rollback's
+    load; the next step finds the slice lost if it is."""
+    try:
+        backend.held_steps([slice_id], step, abort_waits=True)
+    except Exception:  # a SliceFailure, or no answer: the next step sees it
+        pass
+
+
+def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots, backend, spares: Sequence[int],
+           shards: int, event: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> Divergence:
     """Try to name the slice behind an unnamed state divergence between
     two slices (a `tie_break` event says how it went); `found` as it was
-    when there is nothing to replay from or the replays fail."""
+    when there is nothing to replay from or the replays fail. A replay is
+    a run of ordinary steps on the replaying slice alone, all `shards`
+    assigned to it, so its gradients are summed in the very order of every
+    other step (a resized run's bits are a full one's)."""
     original: dict = {}
     for (s, h), m in metrics.items():
         fp = m.get("fingerprints", {}).get(found.step)
         if fp is not None:
             original.setdefault(s, {})[h] = tuple(fp)
+    if found.named or len(original) != 2:
+        return found
     got = snapshots.restore_source(backend.node_alive, at_most=found.verified)
-    if found.named or len(original) != 2 or got is None:
+    if got is None:  # the rollback goes back further too (integrity.roll_back)
+        event("tie_break", step=found.step, by=None, named=[], reason="no verified snapshot to replay from")
         return found
     start, ref = got
     spare = min(spares) if spares else None
     replayers = [spare] if spare is not None else sorted(original)
-    t0, timeout = clock(), _REPLAY_BASE_S + _REPLAY_PER_STEP_S * (found.step - start)
-    replayed: dict = {}
-    try:
-        backend.load(replayers, ref, timeout_s=_REPLAY_BASE_S)
-        refs = {s: backend.replay(s, found.step) for s in replayers}
-        for s, host_refs in refs.items():
-            try:
-                replayed[s] = {h: tuple(fp) for h, fp in enumerate(backend.fetch(host_refs, timeout_s=timeout))}
-            except Exception:  # that slice's replay failed or hung: no vote from it
-                continue
-    except Exception:  # a replayer lost while loading: nothing to judge by
-        pass
+    t0, replayed = clock(), {}
+    for s in replayers:
+        try:
+            backend.load([s], ref, timeout_s=_REPLAY_BASE_S)
+            for k in range(start, found.step):
+                backend.run_step(k, [s], {s: tuple(range(shards))}, frozenset(), _REPLAY_PER_STEP_S, _no_phase)
+            replayed[s] = {h: tuple(fp) for h, fp in enumerate(backend.fetch(backend.fingerprint(s),
+                                                                              timeout_s=_REPLAY_BASE_S))}
+        except Exception:  # lost, hung or failed in its replay: no vote from that slice
+            _settle_calls(backend, s, found.step)
     settled = judge(found, original, replayed, spare)
     event("tie_break", step=found.step, replayed_from=start, by="spare" if spare is not None else "replay",
           slices=replayers, named=[list(k) for k in settled.named], seconds=round(clock() - t0, 3))

@@ -183,13 +183,11 @@ class SliceWorker:
         On the `compute` thread, issued before the step's own call."""
         return self._steps.recompute(step, shard)
 
-    def replay(self, to_step: int) -> list[int]:
-        """A tie-break (control/tie_break.py): the held state, a snapshot
-        just loaded, taken on to step `to_step` by this slice alone; this
-        host's fingerprint of the result. On the `compute` thread."""
+    def fingerprint(self) -> list[int]:
+        """This host's fingerprint of the state it holds, one per local
+        device (a tie-break's: control/tie_break.py)."""
         with self._held.lock:
-            self._transfer.keep_begun()  # its applies donate the state a snapshot may not have viewed yet
-            return self._steps.replay(to_step)
+            return self._steps.fingerprint()
 
     def reduce(self, step: int, keys: tuple[int, ...], parts: list, epoch: int = 0) -> tuple[dict, dict]:
         """One node of the controller's reduction tree: the in-order sum of
