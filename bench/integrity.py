@@ -246,7 +246,8 @@ def summary(r: dict) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = [f"### State checks: every step against off ({r['rounds']} alternated rounds, medians)", "",
+    lines = [] if not summary(r) else [
+             f"### State checks: every step against off ({r['rounds']} alternated rounds, medians)", "",
              "| model | median step, checks on (s) | off (s) | difference | per round (median) | "
              "fingerprint, on its thread (s) | apply waited for it (s) | waited / step |",
              "|---|---|---|---|---|---|---|---|"]
