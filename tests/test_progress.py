@@ -184,3 +184,20 @@ def test_closed_stream_does_not_raise():
     p.on_step(1, {"loss": 1.0, "slices": 2, "step_s": 0.1})  # must not take training down
     p.on_event({"t": 1.0, "event": "detected", "kind": "hung", "slice": 1, "host": 0, "step": 1, "detected_s": 10.0})
     p.on_end(_report(steps=3, done=1))
+
+
+def test_tie_break_lines_say_who_replayed_and_whom_it_named():
+    stream = FakeStream(tty=False)
+    p = ProgressCallback(10, stream=stream)
+    p.on_start(_trainer())
+    p.on_event({"t": 1.0, "event": "start", "slices": [0, 1]})
+    p.on_event({"t": 2.0, "event": "tie_break", "step": 8, "replayed_from": 5, "by": "replay", "slices": [0, 1],
+                "named": [[1, 0]], "seconds": 1.25})
+    p.on_event({"t": 3.0, "event": "tie_break", "step": 9, "replayed_from": 8, "by": "spare", "slices": [2],
+                "named": [], "seconds": 0.5})
+    p.on_event({"t": 4.0, "event": "tie_break", "step": 3, "by": None, "named": [],
+                "reason": "no verified snapshot to replay from"})
+    out = stream.getvalue()
+    assert "two replicas differ at step 8: each slice replayed it from step 5 in 1.2 s: slice 1 host 0" in out
+    assert "two replicas differ at step 9: the spare replayed it from step 8 in 0.5 s: neither told apart" in out
+    assert "two replicas differ at step 3: no verified snapshot to replay from" in out

@@ -150,6 +150,13 @@ class ProgressCallback(Callback):
                 named = ", ".join(f"slice {s} host {h}" for s, h in e.get("named") or []) or "no slice could be named"
                 lines.append(f"[{t:8.2f} s] the replicas' states differ at step {e.get('step')} ({named}): "
                              f"rolling back to a snapshot of step {e.get('verified')} or before")
+            elif name == "tie_break":
+                important = True
+                named = ", ".join(f"slice {s} host {h}" for s, h in e.get("named") or []) or "neither told apart"
+                how = ("no verified snapshot to replay from" if e.get("by") is None else
+                       f"{'the spare' if e.get('by') == 'spare' else 'each slice'} replayed it from step "
+                       f"{e.get('replayed_from')} in {_num(e.get('seconds'), '.1f')} s: {named}")
+                lines.append(f"[{t:8.2f} s] two replicas differ at step {e.get('step')}: {how}")
             elif name == "straggler":
                 important = True
                 what = {"swap": "swapping it for a spare", "remove": "training on without it"}.get(
