@@ -61,7 +61,7 @@ class FakeBackend:
 
     def __init__(self, prints, fail=()):
         self.prints, self.fail = prints, set(fail)
-        self.loads, self.steps, self.printed = [], [], []
+        self.loads, self.steps, self.printed, self.deadlines = [], [], [], []
 
     def node_alive(self, node_id):
         return True
@@ -70,7 +70,8 @@ class FakeBackend:
         self.loads.append((list(slices), source))
 
     def run_step(self, step, slices, assignment, takers, deadline_s, on_issued, ahead=None):
-        assert takers == frozenset() and deadline_s > 0
+        assert takers == frozenset()
+        self.deadlines.append(deadline_s)
         if slices[0] in self.fail:
             raise TimeoutError("replay hung")
         self.steps.append((step, list(slices), dict(assignment)))
@@ -98,11 +99,12 @@ def test_settle_replays_on_the_spare_from_the_newest_verified_snapshot():
     events = []
     backend = FakeBackend({2: [GOOD]})
     got = settle(FOUND, _metrics({0: [BAD], 1: [GOOD]}), FakeSnapshots(), backend, [3, 2], 4,
-                 lambda name, **f: events.append((name, f)), clock=_clock())
+                 lambda name, **f: events.append((name, f)), clock=_clock(), step_deadline_s=7.0)
     assert got.named == ((0, 0),)
     # Steps 5, 6 and 7 on the spare alone, every shard its own: the state of step 8.
     assert backend.loads == [([2], "snap@5")] and backend.printed == [2]
     assert backend.steps == [(k, [2], {2: (0, 1, 2, 3)}) for k in (5, 6, 7)]
+    assert backend.deadlines == [7.0] * 3  # each replayed step, the deadline it is given
     assert events == [("tie_break", {"step": 8, "replayed_from": 5, "by": "spare", "slices": [2],
                                      "named": [[0, 0]], "seconds": 1.0})]
 

@@ -47,14 +47,18 @@ class Checks:
             self._issued = (check, {s: backend.recompute(s, step, check.shard) for s in check.checkers})
 
     def after_step(self, step: int, metrics: Mapping[tuple[int, int], dict], snapshots,
-                   spares: Sequence[int] = (), backend: Any = None) -> Optional[Divergence | Straggler]:
+                   spares: Sequence[int] = (), backend: Any = None,
+                   deadline_s: float = 60.0) -> Optional[Divergence | Straggler]:
         """Step `step` is done (the state is that of `step`): compare (two
-        replicas that differ go to a tie-break on `backend`); tell the
+        replicas that differ go to a tie-break on `backend`, whose steps
+        get twice the step deadline `deadline_s`: one slice computes all
+        the shards); tell the
         snapshot store which snapshots no corruption can have reached; look
         for a straggler (`spares`: ready slices that could take its place)."""
         found = self.state.check(metrics) if self.state.every else None
         if found is not None and not found.named and backend is not None:
-            found = settle(found, metrics, snapshots, backend, spares, self._config.shards, self._event)
+            found = settle(found, metrics, snapshots, backend, spares, self._config.shards, self._event,
+                           step_deadline_s=2 * deadline_s)
         issued, self._issued = self._issued, None
         if found is None and issued is not None and issued[0].step == step - 1:
             found = self.grads.judge(issued[0], self._prints(issued, metrics))

@@ -383,7 +383,8 @@ class Controller:
         self.step = k + 1
         del self._step_durations[k:]
         self._step_durations.append(t_end - t_start)
-        self._found = self._checks.after_step(self.step, result.metrics, self._snapshots, sorted(m.ready), m.backend)
+        self._found = self._checks.after_step(self.step, result.metrics, self._snapshots, sorted(m.ready), m.backend,
+                                              self._deadline_s())
         if not recovered:
             return self._report_step(result, t_end - t_start, slices)
         self._state = Running(fresh=False)

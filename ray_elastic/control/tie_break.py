@@ -33,9 +33,8 @@ from ray_elastic.control.integrity import Divergence
 
 __all__ = ["judge", "settle"]
 
-# Seconds a replay's load and fingerprint may take, and each step of it
-# (one slice computes every shard: about twice a step of two slices).
-_REPLAY_BASE_S, _REPLAY_PER_STEP_S = 60.0, 30.0
+# Seconds a replay's load and fingerprint may take, at least.
+_REPLAY_BASE_S = 60.0
 
 Prints = Mapping[int, tuple]  # host -> that host's fingerprints of the state
 
@@ -81,13 +80,15 @@ def _settle_calls(backend, slice_id: int, step: int) -> None:
 
 
 def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots, backend, spares: Sequence[int],
-           shards: int, event: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> Divergence:
+           shards: int, event: Callable[..., None], clock: Callable[[], float] = time.monotonic,
+           step_deadline_s: float = 60.0) -> Divergence:
     """Try to name the slice behind an unnamed state divergence between
     two slices (a `tie_break` event says how it went); `found` as it was
     when there is nothing to replay from or the replays fail. A replay is
     a run of ordinary steps on the replaying slice alone, all `shards`
     assigned to it, so its gradients are summed in the very order of every
-    other step (a resized run's bits are a full one's)."""
+    other step (a resized run's bits are a full one's); each gets
+    `step_deadline_s`."""
     original: dict = {}
     for (s, h), m in metrics.items():
         fp = m.get("fingerprints", {}).get(found.step)
@@ -102,14 +103,14 @@ def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots
     start, ref = got
     spare = min(spares) if spares else None
     replayers = [spare] if spare is not None else sorted(original)
-    t0, replayed = clock(), {}
+    t0, replayed, wait_s = clock(), {}, max(_REPLAY_BASE_S, step_deadline_s)
     for s in replayers:
         try:
-            backend.load([s], ref, timeout_s=_REPLAY_BASE_S)
+            backend.load([s], ref, timeout_s=wait_s)
             for k in range(start, found.step):
-                backend.run_step(k, [s], {s: tuple(range(shards))}, frozenset(), _REPLAY_PER_STEP_S, _no_phase)
+                backend.run_step(k, [s], {s: tuple(range(shards))}, frozenset(), step_deadline_s, _no_phase)
             replayed[s] = {h: tuple(fp) for h, fp in enumerate(backend.fetch(backend.fingerprint(s),
-                                                                              timeout_s=_REPLAY_BASE_S))}
+                                                                              timeout_s=wait_s))}
         except Exception:  # lost, hung or failed in its replay: no vote from that slice
             _settle_calls(backend, s, found.step)
     settled = judge(found, original, replayed, spare)
