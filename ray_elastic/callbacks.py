@@ -12,9 +12,10 @@ from typing import Any, Callable, Optional
 __all__ = ["CONTROLLER_STEP_KEYS", "Callback", "FunctionCallback", "Phase", "RunStatus"]
 
 # The step metrics the controller adds to the program's: the loss, the
-# live slices, the step's seconds and, on a checked step, the seconds the
-# slowest host took to fingerprint its state (control/integrity.py).
-CONTROLLER_STEP_KEYS = ("loss", "slices", "step_s", "check_s")
+# live slices, the step's seconds and, on a step that reports state
+# fingerprints, the seconds the slowest host took to make them and the
+# longest any apply waited for them (control/integrity.py).
+CONTROLLER_STEP_KEYS = ("loss", "slices", "step_s", "check_s", "check_wait_s")
 
 
 class Phase(str, enum.Enum):
@@ -62,9 +63,10 @@ class Callback:
 
     def on_step(self, step: int, metrics: dict) -> None:
         """After every completed step. metrics: loss, slices, step_s (and
-        check_s on a step whose state was fingerprinted: the slowest
-        host's seconds), and the program's aux metrics by name (reduced
-        over the global batch)."""
+        check_s and check_wait_s on a step that reports state
+        fingerprints: the slowest host's seconds making them, the longest
+        any apply waited for them), and the program's aux metrics by name
+        (reduced over the global batch)."""
 
     def on_end(self, report: Any) -> None:
         """After the run, successful or not; report is the RunReport."""
