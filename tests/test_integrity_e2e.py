@@ -8,9 +8,11 @@ since the verified snapshot."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
-from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic import Callback, CpuSlice, ElasticConfig, ElasticTrainer, Fault
 
 from tests.run_checks import assert_same_state, events
 
@@ -135,7 +137,26 @@ def test_a_spare_breaks_the_tie_between_two_slices(nodes, lm_factory, ref2):
     nodes(4)  # two slices, the spare, and the evicted one's replacement (the next spare)
     config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, state_check_every=1,
                            **EVERY_STEP)
-    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
+    ready: list = []
+
+    class HoldForTheSpare(Callback):
+        """The steps before the fault wait (a second each) until the spare
+        is set up: on a busy machine its set-up can outlast them, and the
+        tie-break then (rightly) replays on the two slices instead."""
+
+        def on_event(self, e):
+            if e["event"] == "slice_ready" and e["slice"] == 2:
+                ready.append(e)
+
+        def on_step(self, step, metrics):
+            if step < FAULT_AT and not ready:
+                time.sleep(1.0)
+
+    trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),),
+                             keep_final_state=True, callbacks=[HoldForTheSpare()])
+    report = trainer.fit()
+    fault = events(report, "fault")[0]
+    assert ready and ready[0]["t"] < fault["t"], (ready, fault)  # the premise: a ready spare at the fault
     [tie] = events(report, "tie_break")
     assert tie["by"] == "spare" and tie["slices"] == [2] and tie["named"] == [[1, 0]], tie
     [f] = report.failures
