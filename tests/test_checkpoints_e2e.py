@@ -217,6 +217,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
     def on_event(e):
         if e["event"] == "preempt_saved":
             seen["saved"] = (time.time(), e["step"])
+            seen["run_waited"] = e["run_waited"]
         if e["event"] == "shrink" and "replaced" not in seen:
             seen["replaced"] = True
             cluster.remove_node(seen["node"])  # the cloud takes the node away
@@ -229,6 +230,7 @@ def test_drain_notice_checkpoints_then_resizes_losing_nothing(nodes, lm_factory,
     saved_t, saved_step = seen["saved"]
     assert saved_t - seen["t"] < 15.0
     assert saved_step in CheckpointStore(path).committed_steps()
+    assert seen["run_waited"] is False  # slice 0 holds the state: saved from its copy as the run went on
     assert report.steps_completed == 250 and report.slices_per_step[-1] == 2
 
 
@@ -294,7 +296,7 @@ def test_sigterm_to_worker_checkpoints_and_retires_slice_at_step_boundary(nodes,
     notice = next(e for e in report.events if e["event"] == "preempt_notice")
     saved = next(e for e in report.events if e["event"] == "preempt_saved")
     assert saved["step"] == notice["step"] and saved["step"] in CheckpointStore(path).committed_steps()
-    assert saved["since_notice_s"] < 5.0
+    assert saved["since_notice_s"] < 5.0 and saved["run_waited"] is False
     assert report.steps_completed == 200 and report.slices_per_step[-1] == 2
 
 

@@ -164,6 +164,9 @@ def test_saves_restores_and_failures(shape, nodes, tmp_path_factory, runs):
         assert store.verify(step) in ("files and arrays", "arrays")
     per_host = isinstance(run["state"], tuple)
     assert per_host == (layout != "replicated")
+    # Saved from the other slice's copy while the run went on, but where
+    # the hosts write their own shards (which may be the hosts going).
+    assert saved[0]["run_waited"] is per_host
     if per_host:
         assert len(run["state"]) == hosts
         starts = _events(report, "checkpoint_started")

@@ -124,6 +124,11 @@ class CheckpointCoordinator:
         self._warm_ref = self._writer_handle().warm.remote()
 
     @property
+    def writes_on_hosts(self) -> bool:
+        """Whether the hosts of a slice write the saves (a sharded state)."""
+        return self._on_hosts is not None
+
+    @property
     def writer_running(self) -> bool:
         """Whether a writer actor is up (one is made on first use)."""
         return self._writer is not None
@@ -245,6 +250,13 @@ class CheckpointCoordinator:
 
     def busy(self) -> bool:
         return self._inflight is not None
+
+    @staticmethod
+    def copied(ref, timeout_s: float) -> bool:
+        """Whether the state copy behind `ref` is made (in the object store
+        of its node, not fetched here) within `timeout_s`."""
+        done, _ = ray.wait([ref], timeout=timeout_s, fetch_local=False)
+        return bool(done)
 
     def submit(self, step: int, snapshot_ref, urgent: bool = False) -> None:
         """Start saving `snapshot_ref` as `step`. Storage errors surface

@@ -145,7 +145,7 @@ class Controller:
                 backend, self._snapshots, self._event, checkpoints=self._ckpt,
                 load_timeout_s=max(30.0, self.config.first_step_deadline_s),
             )
-            self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name)
+            self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name, self._event, self._clock)
             self._snapshotting = Snapshotting(self.config, self._snapshots, self._saves.due, self._event, self._clock())
             self._start()
             if self._ckpt:
@@ -535,15 +535,10 @@ class Controller:
         return False
 
     def _retire_preempted(self, n: SliceNotice) -> None:
-        """Checkpoint the last completed step before the notice's deadline,
-        then take the slice out at this step boundary: no step is redone."""
+        """Checkpoint the last completed step before the notice's deadline
+        (beside training where another slice holds it: saves.py), then
+        take the slice out at this step boundary: no step is redone."""
         self._event("preempt_notice", slice=n.slice_id, host=n.host, reason=n.reason,
                     deadline_s=round(n.left_s, 3), step=self.step)
-        t0 = self._clock()
-        ok = self._saves.now(self.step, timeout_s=max(1.0, n.left_s - 1.0))
-        if ok is not None:
-            self._event(
-                "preempt_saved" if ok else "preempt_unsaved", step=self.step,
-                seconds=round(self._clock() - t0, 3), since_notice_s=round(time.time() - n.noticed_at, 3),
-            )
+        self._saves.before_preemption(self.step, n.slice_id, n.noticed_at, timeout_s=max(1.0, n.left_s - 1.0))
         self._recover(SlicePreempted(n.slice_id, n.host, self.step, n.reason), in_flight=False)

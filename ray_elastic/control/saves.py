@@ -1,11 +1,22 @@
 """When the controller writes a durable checkpoint, and of what: after a
 step when one is due, at the end of the run, before a preemption takes a
 host, and from a checkpoint at a cold start. Without a CheckpointConfig
-every call is a no-op, so the loop reads the same either way."""
+every call is a no-op, so the loop reads the same either way.
+
+A preemption notice for one slice is saved without stopping the run when
+another live slice holds the same state and the writer actor writes it (a
+replicated layout): the save reads that slice's copy, so it needs nothing
+from the host that is going, and the run trains on (or resizes) while the
+checkpoint commits; `preempt_saved` comes when it has. Otherwise (the
+last live slice, or a sharded state whose hosts write their own shards,
+which may be the hosts going) the run waits for the commit, as it does
+for SIGTERM to the driver."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any, Callable, Optional
 
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
@@ -18,13 +29,27 @@ __all__ = ["Saves"]
 log = logging.getLogger("ray_elastic")
 
 
+@dataclasses.dataclass
+class _PreemptSave:
+    """A preemption's checkpoint saved beside training."""
+
+    step: int
+    ref: Any  # a live slice's copy of the state of `step`
+    noticed_at: float  # wall time of the notice
+    started: float  # the controller's clock when it was asked for
+    submitted: bool = False
+
+
 class Saves:
     def __init__(self, ckpt: Optional[CheckpointCoordinator], snapshots: SnapshotStore, members: Membership,
-                 run_name: str):
+                 run_name: str, event: Callable[..., None] = lambda *a, **k: None,
+                 clock: Callable[[], float] = time.monotonic):
         self.ckpt = ckpt
         self.snapshots = snapshots
         self.members = members
         self.run_name = run_name
+        self._event, self._clock = event, clock
+        self._preempts: list[_PreemptSave] = []  # in order; the first may be in flight
 
     def due(self, step: int) -> bool:
         c = self.ckpt
@@ -50,14 +75,60 @@ class Saves:
         if c is None:
             return
         c.poll()
+        self._settle_preempts()
         if c.must_stop():
             raise c.fail_with_rescue(step, self.current(step), self.run_name)
         if not c.busy() and self.due(step):
             c.submit(step, self.current(step))
 
+    def before_preemption(self, step: int, slice_id: int, noticed_at: float, timeout_s: float) -> None:
+        """Checkpoint `step` before slice `slice_id`'s host goes (within
+        `timeout_s`): beside training from another live slice's copy where
+        one can be used, else now, waiting for the commit."""
+        c, m = self.ckpt, self.members
+        if c is None or not m.live:
+            return
+        others = sorted(m.live - {slice_id})
+        if others and not c.writes_on_hosts:
+            ref = m.backend.state(others[0])
+            # Made before the run moves on: the copy then holds `step`, never a later update.
+            if c.copied(ref, timeout_s):
+                for p in [p for p in self._preempts if not p.submitted]:  # a newer step replaces it
+                    self._preempts.remove(p)
+                    self._event("preempt_unsaved", step=p.step, reason=f"superseded by step {step}")
+                self._preempts.append(_PreemptSave(step, ref, noticed_at, self._clock()))
+                return self._settle_preempts()
+        t0 = self._clock()
+        ok = self.now(step, timeout_s=timeout_s)
+        self._event("preempt_saved" if ok else "preempt_unsaved", step=step, seconds=round(self._clock() - t0, 3),
+                    since_notice_s=round(time.time() - noticed_at, 3), run_waited=True)
+
+    def _settle_preempts(self, block_s: float = 0.0) -> None:
+        """Report a preemption's save that has committed (or failed: counted
+        like any failed save); start the next once no save is in flight."""
+        c = self.ckpt
+        if c is None or not self._preempts:
+            return
+        c.poll(block_s=block_s)
+        p = self._preempts[0]
+        if p.submitted and not c.busy():
+            self._preempts.pop(0)
+            ok = c.last_saved == p.step
+            self._event("preempt_saved" if ok else "preempt_unsaved", step=p.step,
+                        seconds=round(self._clock() - p.started, 3),
+                        since_notice_s=round(time.time() - p.noticed_at, 3), run_waited=False)
+        if self._preempts and not c.busy():
+            p = self._preempts[0]
+            c.submit(p.step, p.ref, urgent=True)
+            p.submitted = True
+
     def at_end(self, step: int) -> None:
         c = self.ckpt
-        if c is None or not self.members.live:
+        if c is None:
+            return
+        while self._preempts:  # a preemption's save commits before the run ends
+            self._settle_preempts(block_s=0.5)
+        if not self.members.live:
             return
         if not c.config.save_at_end:  # a save in flight commits before the slices go
             return c.poll(block_s=c.config.save_timeout_s)
@@ -69,7 +140,10 @@ class Saves:
         configured or no live slice to save from."""
         if self.ckpt is None or not self.members.live:
             return None
-        return self.ckpt.save_now(step, self.current(step), timeout_s=timeout_s)
+        deadline = self._clock() + timeout_s
+        while self._preempts and self._clock() < deadline:  # an earlier step's, first
+            self._settle_preempts(block_s=0.5)
+        return self.ckpt.save_now(step, self.current(step), timeout_s=max(1.0, deadline - self._clock()))
 
     def cold_start(self, step: int, timeout_s: float, load: Callable) -> int:
         """Load the newest committed checkpoint at or before `step` into the
