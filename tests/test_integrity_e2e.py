@@ -166,6 +166,65 @@ def test_a_spare_breaks_the_tie_between_two_slices(nodes, lm_factory, ref2):
     assert_same_state(trainer.final_state, ref2.final_state, STEPS)
 
 
+class _HoldForTheSpare(Callback):
+    """The steps before `until` wait (a second each) until slice `spare` is
+    set up: on a busy machine its set-up can outlast them, and a tie-break
+    then (rightly) goes to the two slices instead."""
+
+    def __init__(self, spare: int, until: int):
+        self.spare, self.until, self.ready = spare, until, []
+
+    def on_event(self, e):
+        if e["event"] == "slice_ready" and e["slice"] == self.spare:
+            self.ready.append(e)
+
+    def on_step(self, step, metrics):
+        if step < self.until and not self.ready:
+            time.sleep(1.0)
+
+
+def test_a_spare_names_the_slice_behind_a_gradient_mismatch_of_two(nodes, lm_factory, ref2):
+    """Two slices, one sending wrong gradients from step 7 on: the cross-
+    check of step 9 disagrees with no majority; the spare loads the state of
+    step 9 (the snapshot kept for it) and computes the shard again, so the
+    slice is named, replaced by the spare, and the run ends bitwise equal."""
+    nodes(4)
+    config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, grad_check_every=3)
+    hold = _HoldForTheSpare(spare=2, until=7)
+    trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("corrupt", 1, 7, target="grads+"),),
+                             keep_final_state=True, callbacks=[hold])
+    report = trainer.fit()
+    fault = events(report, "fault")[0]
+    assert hold.ready and hold.ready[0]["t"] < fault["t"], (hold.ready, fault)  # the premise: a ready spare
+    [tie] = events(report, "tie_break")
+    assert (tie["of"], tie["step"], tie["by"], tie["slices"], tie["named"]) == ("gradient", 9, "spare", [2], [[1, 0]])
+    [diverged] = events(report, "diverged")
+    assert diverged["named"] == [[1, 0]] and "computed it again" in diverged["detail"]
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 1
+    assert 2 in next(e for e in events(report, "grow"))["joined"]
+    assert report.steps_completed == STEPS
+    assert_same_state(trainer.final_state, ref2.final_state, STEPS)
+
+
+@pytest.mark.slow  # the same path as the spare's; its unit tests: test_tie_break.py
+def test_without_a_spare_a_gradient_flipped_once_is_told_apart_by_computing_it_again(nodes, lm_factory, ref2):
+    """Two slices, no spare, slice 1 flips a bit of its gradient once, at
+    the cross-check of step 6 whose shard it owns: each slice loads the
+    state of step 6 and computes the shard again; slice 0 repeats itself,
+    slice 1 does not, so slice 1 is named."""
+    nodes(3)
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=120.0, grad_check_every=3)
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, 6, target="grads"),))
+    [tie] = events(report, "tie_break")
+    assert (tie["of"], tie["step"], tie["by"], tie["slices"], tie["named"]) == ("gradient", 6, "replay", [0, 1],
+                                                                               [[1, 0]]), tie
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 1
+    assert report.steps_completed == STEPS
+    assert_same_state(trainer.final_state, ref2.final_state, STEPS)
+
+
 @pytest.mark.slow
 def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
     """A replicated slice's devices hold the same bits: one flipped on one

@@ -5,8 +5,8 @@ back when there is nothing to replay from, and reports it."""
 
 from __future__ import annotations
 
-from ray_elastic.control.integrity import Divergence
-from ray_elastic.control.tie_break import judge, settle
+from ray_elastic.control.integrity import CrossCheck, Divergence
+from ray_elastic.control.tie_break import judge, settle, settle_grads
 
 GOOD, BAD, ODD = (11, 11), (12, 12), (13, 13)
 FOUND = Divergence(step=8, named=(), verified=5, detail="host 0: no majority among slices [0, 1]")
@@ -141,3 +141,77 @@ def test_settle_leaves_it_when_there_is_nothing_to_replay_or_to_break():
     named = Divergence(8, ((1, 0),), 5, "d")
     assert settle(named, _metrics({0: [GOOD], 1: [BAD]}), FakeSnapshots(), backend, [2], 2, ev) is named
     assert backend.loads == [] and events == []
+
+
+# A cross-check of shard 3 at step 9, owned by slice 0, computed again by slice 1.
+CHECK = CrossCheck(step=9, owner=0, shard=3, checkers=(1,))
+GRAD_FOUND = Divergence(step=10, named=(), verified=6, detail="the gradient of shard 3 at step 9: no majority")
+
+
+class GradSnapshots(FakeSnapshots):
+    def __init__(self, newest=(9, "snap@9")):
+        super().__init__(newest)
+        self.waited = 0
+
+    def wait_sealed(self, timeout):
+        self.waited += 1
+        return 0.0
+
+
+class GradBackend(FakeBackend):
+    """recompute answers each host's fingerprint set per slice (None from
+    host 0: the slice's state was not the check's)."""
+
+    def __init__(self, grads, fail=()):
+        super().__init__({}, fail)
+        self.grads, self.recomputed = grads, []
+
+    def recompute(self, slice_id, step, shard):
+        if slice_id in self.fail:
+            raise RuntimeError("lost")
+        self.recomputed.append((slice_id, step, shard))
+        return ("grads", slice_id)
+
+    def fetch(self, refs, timeout_s=None):
+        assert timeout_s and timeout_s > 0
+        return list(self.grads[refs[1]])
+
+
+def test_a_gradient_mismatch_is_settled_by_the_spare_from_the_check_step_s_snapshot():
+    events = []
+    backend, snaps = GradBackend({2: [21]}), GradSnapshots()
+    got = settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, snaps, backend, [2],
+                       lambda name, **f: events.append((name, f)), clock=_clock())
+    assert got.named == ((1, 0),) and "the spare, slice 2, computed it again" in got.detail
+    # The state both slices computed from, not a replay from an older one; no step run.
+    assert snaps.asked == [9] and snaps.waited == 1 and backend.loads == [([2], "snap@9")] and backend.steps == []
+    assert backend.recomputed == [(2, 9, 3)]
+    assert events == [("tie_break", {"step": 9, "of": "gradient", "shard": 3, "by": "spare", "slices": [2],
+                                     "named": [[1, 0]], "seconds": 1.0})]
+
+
+def test_without_a_spare_the_slice_that_cannot_repeat_its_gradient_is_named():
+    # A flip once: slice 0's second computation is the good value, slice 1 repeats its own.
+    backend = GradBackend({0: [66], 1: [66]})
+    got = settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [],
+                       lambda *a, **f: None)
+    assert got.named == ((0, 0),) and "slice 1 made its own gradient again, slice 0 did not" in got.detail
+    assert backend.loads == [([0], "snap@9"), ([1], "snap@9")]
+    # A fault that repeats exactly on its slice: each repeats itself, no one named.
+    backend = GradBackend({0: [21], 1: [66]})
+    assert settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [],
+                        lambda *a, **f: None) == GRAD_FOUND
+
+
+def test_a_gradient_mismatch_stays_unnamed_without_the_check_step_s_snapshot_or_a_vote():
+    events = []
+    ev = lambda name, **f: events.append((name, f))  # noqa: E731
+    # Only an older snapshot: a replay from it would not make the state both computed from.
+    backend = GradBackend({2: [21]})
+    assert settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(newest=(6, "s")), backend,
+                        [2], ev) == GRAD_FOUND
+    assert backend.loads == [] and events[0][1]["reason"] == "no snapshot of the cross-check's step"
+    # The spare was lost in its computation, or its state was not the check's (None).
+    for backend in (GradBackend({2: [21]}, fail={2}), GradBackend({2: [None]})):
+        assert settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [2],
+                            lambda *a, **f: None) == GRAD_FOUND

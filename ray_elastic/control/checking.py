@@ -18,7 +18,7 @@ from typing import Any, Mapping, Optional, Sequence
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.integrity import CrossCheck, Divergence, GradChecks, StateChecks
 from ray_elastic.control.stragglers import Straggler, Stragglers
-from ray_elastic.control.tie_break import settle
+from ray_elastic.control.tie_break import settle, settle_grads
 
 __all__ = ["Checks"]
 
@@ -34,6 +34,12 @@ class Checks:
         self.grads = GradChecks(config.grad_check_every)
         self._issued: Optional[tuple[CrossCheck, dict]] = None  # the cross-check in flight, its refs per slice
         self._backend: Any = None
+
+    def keep_state(self, step: int, live: int) -> bool:
+        """Whether the state of `step` must be kept as a snapshot: that of a
+        cross-check between two slices, for a tie-break to compute the
+        shard's gradient again from (tie_break.settle_grads)."""
+        return live == 2 and self.grads.due(step)
 
     def no_ahead(self, step: int) -> bool:
         """Whether step `step` must not be issued ahead (a cross-check's)."""
@@ -61,7 +67,11 @@ class Checks:
                            step_deadline_s=2 * deadline_s)
         issued, self._issued = self._issued, None
         if found is None and issued is not None and issued[0].step == step - 1:
-            found = self.grads.judge(issued[0], self._prints(issued, metrics))
+            prints = self._prints(issued, metrics)
+            found = self.grads.judge(issued[0], prints)
+            if found is not None and not found.named and backend is not None:
+                found = settle_grads(found, issued[0], prints, snapshots, backend, spares, self._event,
+                                     wait_s=max(60.0, 2 * deadline_s))
         live = {s for s, _ in metrics}
         verified = self.state.verified if self.state.every else step
         snapshots.verified_through(min(verified, self.grads.floor(live)) if self.grads.every else verified)

@@ -29,7 +29,9 @@ majority of three computations, with no replay). A slice whose
 fingerprint differs is named; the rollback goes back to the newest
 snapshot no older than its last clean cross-check, since a persistent
 fault may have corrupted every gradient it sent since. With two live
-slices a mismatch names no one and is handled as an unnamed divergence.
+slices a mismatch has no majority: a tie-break computes the shard again
+from the check step's state (tie_break.settle_grads); if it names no one,
+it is handled as an unnamed divergence.
 
 `StateChecks` and `GradChecks` are pure (the controller feeds them the
 step's metrics); `roll_back` carries the rollback out on the slices.

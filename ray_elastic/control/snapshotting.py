@@ -1,5 +1,6 @@
 """The controller's in-memory snapshots: which slices take one after a
-step (the schedule's decision, or a durable checkpoint's), handing their
+step (the schedule's decision, or one a durable checkpoint or a
+cross-check's tie-break needs: `wanted`), handing their
 copies to the store, and a `snapshot` event per snapshot measured.
 
 The event (and the run report's `snapshots`) gives, per snapshot taken
@@ -24,12 +25,12 @@ __all__ = ["Snapshotting"]
 
 
 class Snapshotting:
-    def __init__(self, config: ElasticConfig, store: SnapshotStore, checkpoint_due: Callable[[int], bool],
+    def __init__(self, config: ElasticConfig, store: SnapshotStore, wanted: Callable[[int], bool],
                  event: Callable[..., None], now: float):
         self.store = store
         self.schedule = SnapshotSchedule(config.snapshot_every, config.snapshot_every_replicated,
                                          config.all_slices_mtbf_s, now=now)
-        self._checkpoint_due, self._event = checkpoint_due, event
+        self._wanted, self._event = wanted, event
         self._sealed: dict[int, SnapshotRecord] = {}
         self._decided = -1  # the newest step a snapshot was decided for
         self.pin_wait_s = 0.0  # steps' waits for a pinned copy (one live slice, replicated)
@@ -40,7 +41,7 @@ class Snapshotting:
         for the same step (a step finished on the survivors), it takes the
         snapshot decided then, from the slices live now."""
         again = self._decided == step
-        if not again and not (self.schedule.due(step, len(live)) or self._checkpoint_due(step)):
+        if not again and not (self.schedule.due(step, len(live)) or self._wanted(step)):
             return frozenset()
         takers = sorted(live)[:2]
         self.store.expect(step, len(takers))

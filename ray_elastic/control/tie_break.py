@@ -20,7 +20,17 @@ newest snapshot both agreed on, and compared:
 Either way the run then goes on as after any divergence: a named slice is
 evicted, and every live slice rolls back to the verified snapshot (the
 replays' states are not kept: a named slice's would be the suspect one).
-`judge` is pure; `settle` carries the replays out on the backend.
+
+A gradient cross-check between two slices that disagree is told apart
+the same way, with no replay: each cross-check step's state is kept as a
+snapshot while two slices are live (checking.py), so the spare, or else
+each of the two, loads that very state (the one both computed from,
+whatever earlier gradients made it) and computes the shard's gradient
+again (`settle_grads`); `judge` reads the fingerprints as it reads the
+states'.
+
+`judge` is pure; `settle` and `settle_grads` carry the work out on the
+backend.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from ray_elastic.control.integrity import Divergence
 
-__all__ = ["judge", "settle"]
+__all__ = ["judge", "settle", "settle_grads"]
 
 # Seconds a replay's load and fingerprint may take, at least.
 _REPLAY_BASE_S = 60.0
@@ -40,12 +50,13 @@ Prints = Mapping[int, tuple]  # host -> that host's fingerprints of the state
 
 
 def judge(found: Divergence, original: Mapping[int, Prints], replayed: Mapping[int, Prints],
-          spare: Optional[int] = None) -> Divergence:
+          spare: Optional[int] = None, redo: str = "replayed it", made: str = "state") -> Divergence:
     """`found` (unnamed, two slices) with the slice the replays single out
     named, or as it was. `original`: each slice's fingerprints of the
     state of `found.step`; `replayed`: those of the same state made again
     (by the `spare`, or by each slice itself), for the slices whose replay
-    came back."""
+    came back. `redo` and `made` word the detail: how it was made again,
+    and what."""
     if spare is not None:
         truth = replayed.get(spare)
         if truth is None:
@@ -53,14 +64,14 @@ def judge(found: Divergence, original: Mapping[int, Prints], replayed: Mapping[i
         odd = sorted((s, h) for s, prints in original.items() for h, fp in prints.items() if truth.get(h) != fp)
         if not odd or len({s for s, _ in odd}) == len(original):  # none, or both: no majority
             return found
-        how = f"the spare, slice {spare}, replayed it and agrees with the other"
+        how = f"the spare, slice {spare}, {redo} and agrees with the other"
     else:
         consistent = {s for s in original if replayed.get(s) == original[s]}
         if len(consistent) != 1 or len(replayed) != len(original):
             return found
         [bad] = [s for s in original if s not in consistent]
         odd = sorted((bad, h) for h, fp in original[bad].items() if original[next(iter(consistent))].get(h) != fp)
-        how = (f"each slice replayed it alone: slice {next(iter(consistent))} made its own state again, "
+        how = (f"each slice {redo} alone: slice {next(iter(consistent))} made its own {made} again, "
                f"slice {bad} did not")
     return dataclasses.replace(found, named=tuple(odd), detail=f"{found.detail}; tie-break: {how}")
 
@@ -116,4 +127,38 @@ def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots
     settled = judge(found, original, replayed, spare)
     event("tie_break", step=found.step, replayed_from=start, by="spare" if spare is not None else "replay",
           slices=replayers, named=[list(k) for k in settled.named], seconds=round(clock() - t0, 3))
+    return settled
+
+
+def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int]], snapshots, backend,
+                 spares: Sequence[int], event: Callable[..., None], clock: Callable[[], float] = time.monotonic,
+                 wait_s: float = _REPLAY_BASE_S) -> Divergence:
+    """Try to name the slice behind an unnamed cross-check mismatch
+    between two slices (`check`, a CrossCheck; `prints`: each slice's
+    {host: fingerprint} of the shard's gradient): the spare, or else each
+    of the two, loads the snapshot of the check's step and computes the
+    gradient again. `found` as it was when that snapshot is gone (a
+    `tie_break` event says how it went)."""
+    original = {s: dict(p) for s, p in prints.items() if p}
+    if found.named or len(original) != 2:
+        return found
+    snapshots.wait_sealed(timeout=wait_s)  # the check step's snapshot may still be sealing
+    got = snapshots.restore_source(backend.node_alive, at_most=check.step)
+    if got is None or got[0] != check.step:
+        event("tie_break", step=check.step, by=None, named=[], reason="no snapshot of the cross-check's step")
+        return found
+    spare = min(spares) if spares else None
+    t0, again = clock(), {}
+    for s in [spare] if spare is not None else sorted(original):
+        try:
+            backend.load([s], got[1], timeout_s=wait_s)
+            fps = backend.fetch(backend.recompute(s, check.step, check.shard), timeout_s=wait_s)
+            if fps and fps[0] is not None:  # None: the slice's state was not the check's (missed)
+                again[s] = {h: fp for h, fp in enumerate(fps) if fp is not None}
+        except Exception:  # lost or failed in its recomputation: no vote from that slice
+            _settle_calls(backend, s, check.step)
+    settled = judge(found, original, again, spare, redo="computed it again", made="gradient")
+    event("tie_break", step=check.step, of="gradient", shard=check.shard, by="spare" if spare is not None else "replay",
+          slices=sorted(again) if spare is None else [spare], named=[list(k) for k in settled.named],
+          seconds=round(clock() - t0, 3))
     return settled
