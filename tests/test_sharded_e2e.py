@@ -14,7 +14,7 @@ import functools
 import numpy as np
 import pytest
 
-from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic import Callback, CpuSlice, ElasticConfig, ElasticTrainer, Fault
 
 pytestmark = pytest.mark.cluster
 
@@ -63,10 +63,20 @@ def baseline(cluster, fsdp_factory, tmp_path_factory):
 
     cluster.ensure_nodes(2 * HOSTS)
     path = str(tmp_path_factory.mktemp("sharded") / "ckpt")
-    trainer = ElasticTrainer(fsdp_factory, _config(policy="pause"), STEPS, keep_final_state=True,
-                             checkpoint=CheckpointConfig(path, save_every=CKPT_AT, save_at_end=False))
+    # The state checked every step: a slice of two processes fingerprints
+    # within its apply, and healthy replicas must never differ.
+    checked = []
+
+    class Checked(Callback):
+        def on_step(self, step, metrics):
+            checked.append("check_s" in metrics)
+
+    trainer = ElasticTrainer(fsdp_factory, _config(policy="pause", state_check_every=1), STEPS, keep_final_state=True,
+                             checkpoint=CheckpointConfig(path, save_every=CKPT_AT, save_at_end=False),
+                             callbacks=[Checked()])
     report = trainer.fit()
     assert report.steps_completed == STEPS and not report.failures
+    assert checked == [True] * STEPS and not [e for e in report.events if e["event"] == "diverged"]
     # Pipelined dispatch (the default) runs sharded layouts too: each
     # host index's apply takes its own tree of host i's blocks.
     assert trainer.members.backend.runner.steps_ahead > 0

@@ -9,8 +9,9 @@ waiting for it if it is not done, and before its own update, which donates
 the arrays the fingerprint reads. So a divergence is reported one step
 later than the state it is in, which the controller's checks allow for
 (control/integrity.py); the run's last state, which no apply follows, is
-fingerprinted within its apply (`final_step`), and so is every state of
-a slice of several processes (worker/steps.py says why).
+fingerprinted within its apply (`final_step`), and so is every state
+held by a process that drives several devices (a slice of several
+processes, or of several devices per process: worker/steps.py says why).
 
 A state loaded in between (a rollback, a resize's reload) makes a pending
 fingerprint void: it was of the state replaced, even at the same step.

@@ -230,11 +230,13 @@ class SliceSteps:
         if self.check_every and (step + 1) % self.check_every == 0:
             tree = (held.params, held.opt_state)
             # Made now at the run's last step (no apply follows to report
-            # it) and in a slice of several processes: there a thread's
-            # fingerprint, read while the next step's gradients computed,
-            # disagreed between healthy replicas of a two-host sharded
-            # slice now and then (never in one process, nor made here).
-            if step + 1 == self.final_step or jax.process_count() > 1:
+            # it) and where a process drives several devices (a slice of
+            # several processes, or of several devices per process): there
+            # a thread's fingerprint, read while the next step's gradients
+            # computed, disagreed between healthy replicas now and then (a
+            # two-host sharded slice; one host of two devices, fsdp_tp), on
+            # CPU; never with one device per process, nor made here.
+            if step + 1 == self.final_step or jax.process_count() > 1 or jax.local_device_count() > 1:
                 prints, took = self._prints.now(tree)
                 checked[step + 1] = prints
                 spent = (spent[0] + took, spent[1] + took)
