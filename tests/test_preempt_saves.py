@@ -133,3 +133,14 @@ def test_a_newer_notice_replaces_one_not_yet_started():
     saves.after_step(10)
     assert [s for s, *_ in ckpt.submitted] == [5, 8]
     assert events[-1][0] == "preempt_saved" and events[-1][1]["step"] == 8
+
+
+def test_a_save_is_taken_in_while_the_run_waits():
+    ckpt = _Coordinator()
+    saves, events = _saves(ckpt)
+    saves.before_preemption(7, slice_id=0, noticed_at=0.0, timeout_s=29.0)
+    saves.settle()
+    assert events == []
+    ckpt.done.add(7)
+    saves.settle()  # no step ran: the controller waits for a replacement
+    assert [(n, kw["step"]) for n, kw in events] == [("preempt_saved", 7)]

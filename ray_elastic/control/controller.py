@@ -307,6 +307,7 @@ class Controller:
             return bool(m.live) and not isinstance(self._state, Waiting)
         if isinstance(d, Wait):
             m.poll(block_s=0.25)
+            self._saves.settle()  # a preemption's save may commit while the run waits
             return False
         return True  # Continue
 

@@ -103,6 +103,11 @@ class Saves:
         self._event("preempt_saved" if ok else "preempt_unsaved", step=step, seconds=round(self._clock() - t0, 3),
                     since_notice_s=round(time.time() - noticed_at, 3), run_waited=True)
 
+    def settle(self) -> None:
+        """Between steps (the run waiting): take in a preemption's save."""
+        if self.ckpt is not None and self._preempts:
+            self._settle_preempts()
+
     def _settle_preempts(self, block_s: float = 0.0) -> None:
         """Report a preemption's save that has committed (or failed: counted
         like any failed save); start the next once no save is in flight."""
