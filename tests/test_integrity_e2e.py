@@ -189,7 +189,8 @@ def test_a_spare_names_the_slice_behind_a_gradient_mismatch_of_two(nodes, lm_fac
     step 9 (the snapshot kept for it) and computes the shard again, so the
     slice is named, replaced by the spare, and the run ends bitwise equal."""
     nodes(4)
-    config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, grad_check_every=3)
+    config = ElasticConfig(num_slices=2, spare_slices=1, policy="pause", timeout_s=120.0, grad_check_every=3,
+                           state_check_every=3)  # the check step's state verified: the tie-break's premise
     hold = _HoldForTheSpare(spare=2, until=7)
     trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("corrupt", 1, 7, target="grads+"),),
                              keep_final_state=True, callbacks=[hold])
@@ -214,7 +215,7 @@ def test_without_a_spare_a_gradient_flipped_once_is_told_apart_by_computing_it_a
     state of step 6 and computes the shard again; slice 0 repeats itself,
     slice 1 does not, so slice 1 is named."""
     nodes(3)
-    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=120.0, grad_check_every=3)
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=120.0, grad_check_every=3, state_check_every=3)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, 6, target="grads"),))
     [tie] = events(report, "tie_break")
     assert (tie["of"], tie["step"], tie["by"], tie["slices"], tie["named"]) == ("gradient", 6, "replay", [0, 1],

@@ -37,9 +37,10 @@ class Checks:
 
     def keep_state(self, step: int, live: int) -> bool:
         """Whether the state of `step` must be kept as a snapshot: that of a
-        cross-check between two slices, for a tie-break to compute the
-        shard's gradient again from (tie_break.settle_grads)."""
-        return live == 2 and self.grads.due(step)
+        cross-check between two slices whose state is checked too, for a
+        tie-break to compute the shard's gradient again from
+        (tie_break.settle_grads)."""
+        return live == 2 and self.grads.due(step) and self.state.every > 0 and step % self.state.every == 0
 
     def no_ahead(self, step: int) -> bool:
         """Whether step `step` must not be issued ahead (a cross-check's)."""
@@ -69,7 +70,11 @@ class Checks:
         if found is None and issued is not None and issued[0].step == step - 1:
             prints = self._prints(issued, metrics)
             found = self.grads.judge(issued[0], prints)
-            if found is not None and not found.named and backend is not None:
+            # Told apart only on a state the replicas agreed on (a state
+            # check of the check's step): on one that differed, the copy
+            # loaded could be the wrong one, and so would the verdict.
+            if found is not None and not found.named and backend is not None and self.state.every \
+                    and self.state.verified >= issued[0].step:
                 found = settle_grads(found, issued[0], prints, snapshots, backend, spares, self._event,
                                      wait_s=max(60.0, 2 * deadline_s))
         live = {s for s, _ in metrics}

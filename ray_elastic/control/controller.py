@@ -116,6 +116,7 @@ class Controller:
         self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
         self.members: Optional[Membership] = None  # made by fit()
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
+        self._saves: Optional[Saves] = None  # made by fit()
         self._checks, self._found = Checks(config, self._event), None  # the step's Divergence or Straggler
 
     # -- the loop ---------------------------------------------------------
@@ -181,8 +182,8 @@ class Controller:
             self._event("end", steps=self.step, outcome=outcome, **({"error": error} if error else {}))
             if self._snapshots is not None:
                 self._snapshots.close()
-            if self._ckpt is not None:
-                self._ckpt.shutdown()
+            if self._ckpt is not None:  # a preemption's save still in flight commits first (saves.py)
+                (self._saves.finish if self._saves is not None else self._ckpt.shutdown)()
             if backend is not None:
                 backend.shutdown()
             for cb in self._callbacks:

@@ -88,20 +88,24 @@ class Saves:
         c, m = self.ckpt, self.members
         if c is None or not m.live:
             return
+        t0 = self._clock()
         others = sorted(m.live - {slice_id})
         if others and not c.writes_on_hosts:
             ref = m.backend.state(others[0])
             # Made before the run moves on: the copy then holds `step`, never a later update.
             if c.copied(ref, timeout_s):
-                for p in [p for p in self._preempts if not p.submitted]:  # a newer step replaces it
-                    self._preempts.remove(p)
-                    self._event("preempt_unsaved", step=p.step, reason=f"superseded by step {step}")
-                self._preempts.append(_PreemptSave(step, ref, noticed_at, self._clock()))
+                self._supersede(step)
+                self._preempts.append(_PreemptSave(step, ref, noticed_at, t0))
                 return self._settle_preempts()
-        t0 = self._clock()
-        ok = self.now(step, timeout_s=timeout_s)
+        ok = self.now(step, timeout_s=max(1.0, timeout_s - (self._clock() - t0)))
         self._event("preempt_saved" if ok else "preempt_unsaved", step=step, seconds=round(self._clock() - t0, 3),
                     since_notice_s=round(time.time() - noticed_at, 3), run_waited=True)
+
+    def _supersede(self, step: int) -> None:
+        """A newer step replaces the preemption saves not yet started."""
+        for p in [p for p in self._preempts if not p.submitted]:
+            self._preempts.remove(p)
+            self._event("preempt_unsaved", step=p.step, reason=f"superseded by step {step}")
 
     def settle(self) -> None:
         """Between steps (the run waiting): take in a preemption's save."""
@@ -146,9 +150,23 @@ class Saves:
         if self.ckpt is None or not self.members.live:
             return None
         deadline = self._clock() + timeout_s
-        while self._preempts and self._clock() < deadline:  # an earlier step's, first
+        self._supersede(step)
+        while self._preempts and self._clock() < deadline:  # one in flight commits first
             self._settle_preempts(block_s=0.5)
         return self.ckpt.save_now(step, self.current(step), timeout_s=max(1.0, deadline - self._clock()))
+
+    def finish(self, timeout_s: float = 60.0) -> None:
+        """The run is over, however it ended: a preemption's save in flight
+        or queued commits (within `timeout_s`) before the writer goes."""
+        deadline = self._clock() + timeout_s
+        try:
+            while self.ckpt is not None and self._preempts and self._clock() < deadline:
+                self._settle_preempts(block_s=0.5)
+        except Exception:  # the run's own error, if any, is what the user must see
+            log.warning("a preemption's checkpoint could not be finished", exc_info=True)
+        finally:
+            if self.ckpt is not None:
+                self.ckpt.shutdown()
 
     def cold_start(self, step: int, timeout_s: float, load: Callable) -> int:
         """Load the newest committed checkpoint at or before `step` into the
