@@ -51,7 +51,12 @@ def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, re
         on_event=spare_up_first)
     report = trainer.fit()
     assert report.steps_completed == STEPS
-    [slow] = events(report, "straggler")
+    # The swap is the one that acts. On this 2-core box the straggler's
+    # replacement process starts beside the two slices and can slow one of
+    # them for a few steps: a later "report" is allowed, it changes nothing.
+    stragglers = events(report, "straggler")
+    assert [e["action"] for e in stragglers[1:]] == ["report"] * (len(stragglers) - 1), stragglers
+    slow = stragglers[0]
     assert slow["slice"] == 1 and slow["action"] == "swap" and slow["ratio"] > config.straggler_factor
     # Named after AFTER slow steps (the fault may land a step late).
     assert SLOW_AT + AFTER <= slow["step"] <= SLOW_AT + AFTER + 2, slow
