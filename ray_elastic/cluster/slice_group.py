@@ -26,7 +26,7 @@ from ray_elastic.worker.readiness import phase_seconds
 from ray_elastic.worker.warm_pool import hook_env
 from ray_elastic.worker.actor import SliceWorker
 
-__all__ = ["LiveSlice", "Provisioning", "RaySlices", "SliceProvisioner"]
+__all__ = ["LiveSlice", "Provisioning", "RaySlices", "SliceProvisioner", "WAITING_CALLS"]
 
 # A sharded checkpoint's write runs on its own thread (host_writes.py);
 # `control` calls (abort_waits, liveness pings) reach a worker whose other
@@ -40,6 +40,25 @@ __all__ = ["LiveSlice", "Provisioning", "RaySlices", "SliceProvisioner"]
 # A snapshot's copy into the object store runs on its own thread too
 # (`snapshot`), beside the next step's gradients.
 _RemoteWorker = ray.remote(concurrency_groups={"checkpoint": 1, "control": 1, "compute": 1, "snapshot": 1})(SliceWorker)
+
+# The default group's threads: reduce and apply calls wait for their
+# inputs on them (gradient calls, snapshots, aborts and liveness pings have
+# threads of their own: the groups above). Calls from one caller reach a
+# worker in the order they were issued, which their inputs respect (a
+# call's inputs come from calls issued before it), so a few threads would
+# do. Calls from two callers do not: with group leaders the driver issues
+# the top of the tree and the snapshotting slices' applies, a leader its
+# group's copy of the sum, applies and next step's subtrees, and a worker
+# can get the calls waiting on a driver's call before that call. With 3
+# threads a group's first slice held its copy, its apply and the next
+# step's subtree, all waiting for the driver's top-of-tree call queued
+# behind them: the step stalled to its deadline (a false "hung"). So there
+# is a thread for every call that can wait on one worker at once: two
+# steps' (the one applied and the next, issued ahead), each at most one
+# apply, one copy and one call per level of the tree while a level has no
+# more calls than slices (fan-in 8: 4 levels up to 4096 slices), 2 x 6 =
+# 12, and a margin. A waiting thread holds no CPU.
+WAITING_CALLS = 16
 
 # glibc's allocator, for every worker process (set at its start; a value
 # in the driver's environment wins). A worker's calls run on several
@@ -181,10 +200,9 @@ class RaySlices:
         opts: dict[str, Any] = {
             "num_cpus": bundle.pop("CPU", 0),
             "max_restarts": 0,
-            # Reduce and apply calls waiting for their inputs may all be
-            # running at once (gradient calls, snapshots, aborts and
-            # liveness pings have threads of their own: the groups above).
-            "max_concurrency": 3,
+            # Reduce and apply calls wait for their inputs on threads of
+            # this group (WAITING_CALLS).
+            "max_concurrency": WAITING_CALLS,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=host
             ),
