@@ -52,13 +52,18 @@ def token_factory():
     return functools.partial(lt.make_program, _token_config(), lm.sharded_layout("fsdp"))
 
 
-def _config(hosts=2, **kw) -> ElasticConfig:
+# The token LM's slices: one host, FSDP over its two devices. On two hosts,
+# each reading its own rows, it runs in tests/test_grain_e2e.py.
+TOKEN_SHAPE = dict(hosts=1, devices=2)
+
+
+def _config(hosts=2, devices=1, **kw) -> ElasticConfig:
     kw.setdefault("num_slices", 2)
     kw.setdefault("batch_shards", SHARDS)
     kw.setdefault("step_deadline_floor_s", 10.0)
     kw.setdefault("timeout_s", 180.0)
     kw.setdefault("seed", SEED)
-    return ElasticConfig(slice=CpuSlice(hosts=hosts, devices_per_host=1), **kw)
+    return ElasticConfig(slice=CpuSlice(hosts=hosts, devices_per_host=devices), **kw)
 
 
 def _whole(parts: list, like) -> list:
@@ -122,8 +127,8 @@ def _plain_run(config, per_shard: bool = False):
 
 @pytest.fixture(scope="module")
 def token_run(cluster, token_factory):
-    cluster.ensure_nodes(4)
-    trainer = ElasticTrainer(token_factory, _config(policy="pause"), STEPS, keep_final_state=True)
+    cluster.ensure_nodes(2)
+    trainer = ElasticTrainer(token_factory, _config(policy="pause", **TOKEN_SHAPE), STEPS, keep_final_state=True)
     report = trainer.fit()
     assert report.steps_completed == STEPS and not report.failures
     return trainer, report
@@ -193,10 +198,10 @@ def _added_on_detect(cluster):
 def test_token_lm_through_a_failure_ends_bitwise_equal(cluster, token_factory, token_run, policy, fault):
     """Dropout keys, token weights, aux metrics and evals through a lost
     slice: the same state and the same figures as the failure-free run."""
-    cluster.ensure_nodes(4)
+    cluster.ensure_nodes(2)
     base_trainer, base = token_run
-    trainer = ElasticTrainer(token_factory, _config(policy=policy), STEPS, keep_final_state=True,
-                             faults=(Fault(fault, slice_id=1, step=7, host=1),), remove_node=cluster.remove_node,
+    trainer = ElasticTrainer(token_factory, _config(policy=policy, **TOKEN_SHAPE), STEPS, keep_final_state=True,
+                             faults=(Fault(fault, slice_id=1, step=7),), remove_node=cluster.remove_node,
                              on_event=_added_on_detect(cluster) if fault == "remove_node" else None)
     report = trainer.fit()
     assert report.steps_completed == STEPS and len(report.failures) == 1
