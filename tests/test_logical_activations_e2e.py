@@ -1,7 +1,9 @@
 """A model that constrains its activations by logical names (the example
-LM with `logical_activations`, MaxText's way) trains on a slice of 2 hosts
-x 2 devices under the sharded layouts (the constraints act within a
-slice; the slices only add whole gradients), computing what the same model
+LM with `logical_activations`, MaxText's way) trains on a slice of 4
+devices under the sharded layouts (the constraints act within a slice's
+mesh, traced alike whichever hosts hold its devices; the slices only add
+whole gradients; a two-host slice's mesh runs in tests/test_sharded_e2e.py),
+computing what the same model
 without the constraints computes: a constraint moves data, not math.
 Tolerance: float32 rounding (the constraints change how XLA splits the
 sums; 1e-5 relative asserted, where a wrong batch or a wrong row would
@@ -26,11 +28,11 @@ STEPS = 6
 def _run(cluster, sharding: str, constrained: bool):
     import examples.lm as lm
 
-    cluster.ensure_nodes(2)
+    cluster.ensure_nodes(1)
     config = dataclasses.replace(lm.LMConfig(), logical_activations=constrained)
     factory = functools.partial(lm.make_program, config, lm.sharded_layout(sharding))
     cfg = ElasticConfig(num_slices=1, policy="pause", seed=0, step_deadline_floor_s=20.0, timeout_s=120.0,
-                        slice=CpuSlice(hosts=2, devices_per_host=2))
+                        slice=CpuSlice(hosts=1, devices_per_host=4))
     report = ElasticTrainer(factory, cfg, STEPS).fit()
     assert report.steps_completed == STEPS and not report.failures
     return report.losses
