@@ -22,7 +22,8 @@ program_build, initial_state, compile, report (set-up done to the driver
 seeing it; this bench polls every 20 ms), then
 first_state (`load_state` of the snapshot, round trip from the driver).
 `ready` is placement to set-up seen by the driver (SliceUp.setup_s), and
-`ready + first_state` the whole way to a slice that can train.
+`ready + first_state` the whole way to a slice that can train;
+`first_step` is then its first step (gradient and apply, round trip).
 
 Each worker is killed `SETTLE_S` after its slice came up (a failure comes
 seconds to hours after a start), so the warm process its set-up asked for
@@ -97,8 +98,10 @@ def _one(slices, snapshot=None, timeout_s: float = 300.0) -> dict:
     # One step, as the controller's first after a join: its apply asks for
     # the warm process (worker/warm_pool.py).
     step = ray.get(w.held_step.remote())
+    t0 = time.monotonic()
     _, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(step, (0,))
     ray.get(w.apply.remote(step, False, [payload]))
+    row["first_step"] = round(time.monotonic() - t0, 4)
     time.sleep(max(0.0, SETTLE_S - (time.monotonic() - live.ready_at)))
     row.update(_warm_memory(live.infos[0]["pid"]))
     slices.kill(live.workers)
@@ -149,7 +152,8 @@ def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
                 row, snaps[v] = _one(slices[v], snaps.get(v))
                 row["run"] = i
                 rows[v].append(row)
-                log(f"  {v} #{i}: ready {row['ready']:.2f} s + first state {row['first_state']:.2f} s  "
+                log(f"  {v} #{i}: ready {row['ready']:.2f} s + first state {row['first_state']:.2f} s, "
+                    f"first step {row['first_step']:.2f} s  "
                     + " ".join(f"{k}={row[k]:.2f}" for k in PHASES[:-1] if k in row))
     finally:
         for s in slices.values():
@@ -159,7 +163,7 @@ def run(runs: int = 5, variants=VARIANTS, factory=None, log=print) -> dict:
     for v in variants:
         warm = [r for r in rows[v] if r["run"] > 0] or rows[v]
         med = {}
-        for k in PHASES + ("ready", "ready_and_state", "warm_processes", "warm_rss_mb", "warm_uss_mb"):
+        for k in PHASES + ("ready", "ready_and_state", "first_step", "warm_processes", "warm_rss_mb", "warm_uss_mb"):
             vals = [r[k] for r in warm if k in r]
             if vals:
                 med[k] = round(statistics.median(vals), 4)
@@ -214,10 +218,11 @@ def table(result: dict) -> str:
         "| phase (s) | " + " | ".join(vs) + " |",
         "|---|" + "---:|" * len(vs),
     ]
-    for k in PHASES + ("ready", "ready_and_state", "warm_processes", "warm_rss_mb", "warm_uss_mb"):
+    for k in PHASES + ("ready", "ready_and_state", "first_step", "warm_processes", "warm_rss_mb", "warm_uss_mb"):
         cells = [result["variants"][v]["median"].get(k) for v in vs]
         name = {"ready": "**placement → ready** (SliceUp.setup_s)",
                 "ready_and_state": "**placement → ready + first state**",
+                "first_step": "then its first step (gradient + apply)",
                 "warm_processes": "warm processes beside the worker (count)",
                 "warm_rss_mb": "… their memory, resident (MB)",
                 "warm_uss_mb": "… their memory, unique to them (MB)"}.get(k, k)

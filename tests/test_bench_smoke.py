@@ -163,9 +163,9 @@ def test_ready_tiny(cluster, nodes, lm_factory):
     result = ready.run(runs=1, variants=("default",), factory=lm_factory, log=lambda *a: None)
     med = result["variants"]["default"]["median"]
     first = ("process_start", "actor_load", "args_load", "warm_process")  # by the process it starts in
-    for key in [k for k in ready.PHASES if k not in first] + ["ready", "ready_and_state"]:
+    for key in [k for k in ready.PHASES if k not in first] + ["ready", "ready_and_state", "first_step"]:
         assert key in med, key
-    assert med["compile"] > 0 and med["first_state"] > 0 and med["ready"] > 0
+    assert med["compile"] > 0 and med["first_state"] > 0 and med["ready"] > 0 and med["first_step"] > 0
     parts = sum(med[k] for k in ready.PHASES if k != "first_state" and k in med)
     assert parts <= med["ready"] + 0.5
     assert all(med[k] >= 0 for k in ready.PHASES if k in med), med
