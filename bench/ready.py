@@ -10,8 +10,7 @@ This bench does exactly that, `--runs` times per variant, with the
 provisioner the controller uses (`RaySlices`) on a local cluster with a
 1-CPU node per variant (each variant keeps its placement group):
 start slice 0, wait for it, load a snapshot of the state into it (the
-first state load), take one step (whose apply asks for the warm
-process), kill its worker, start it again. The first start of
+first state load), take one step, kill its worker, start it again. The first start of
 each variant (a cold compile cache, a new placement group) is left out of
 the medians.
 
@@ -95,8 +94,7 @@ def _one(slices, snapshot=None, timeout_s: float = 300.0) -> dict:
     ray.get(w.load_state.remote(snapshot))
     row["first_state"] = round(time.monotonic() - t0, 4)
     row["ready_and_state"] = round(row["ready"] + row["first_state"], 4)
-    # One step, as the controller's first after a join: its apply asks for
-    # the warm process (worker/warm_pool.py).
+    # One step, as the controller's first after a join.
     step = ray.get(w.held_step.remote())
     t0 = time.monotonic()
     _, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(step, (0,))

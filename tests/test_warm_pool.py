@@ -121,17 +121,6 @@ def _up(slices, timeout_s=180.0):
     return _wait(lambda: slices.poll(p), timeout_s)
 
 
-def _one_step(live) -> None:
-    """A step on the slice's worker, as the controller's first: its apply
-    asks for the warm process."""
-    import ray
-
-    w = live.workers[0]
-    step = ray.get(w.held_step.remote())
-    _, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(step, (0,))
-    ray.get(w.apply.remote(step, False, [payload]), timeout=120)
-
-
 @pytest.mark.skipif(not os.path.exists("/proc"), reason="reads /proc")
 def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(nodes, lm_factory):
     from ray_elastic.config import CpuSlice
@@ -152,11 +141,7 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
     try:
         live = _up(slices)
         worker_pid = live.infos[0]["pid"]
-        # Not at set-up: the first step runs alone.
-        time.sleep(2.0)
-        assert not _warm_processes({worker_pid}, tag)
-        _one_step(live)
-        # Its first apply asked its raylet for one idle process, which
+        # The worker's set-up asked its raylet for one idle process, which
         # imports JAX at its start (its native library mapped), then idles.
         warm = _wait(lambda: [p for p, jax in _warm_processes({worker_pid}, tag).items() if jax])
         _wait(lambda: _settled(warm[0]))
@@ -174,8 +159,7 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
         # The first worker started cold, in a process of its own.
         assert "process_start" in live.phases and "warm_process" not in live.phases, live.phases
         assert all(v >= 0 for v in live.phases.values()), live.phases
-        # ... and, once it stepped, asked for the next one: one idle process again, not two.
-        _one_step(replacement)
+        # ... and it asked for the next one: one idle process again, not two.
         nxt = _wait(lambda: [p for p, jax in _warm_processes({worker_pid, warm[0]}, tag).items() if jax])
         time.sleep(1.0)
         assert len(nxt) == 1 and set(_warm_processes({worker_pid}, tag)) == {warm[0], nxt[0]}

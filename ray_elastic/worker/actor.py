@@ -91,7 +91,6 @@ class SliceWorker:
         self._notice.install()
         # Made by `setup`: the layout, the step, the state's transfers and checkpoints.
         self._layout = self._steps = self._transfer = self._checkpoints = None
-        self._warm_ask = 0  # warm processes still to ask for (setup)
 
     @property
     def params(self) -> Any:
@@ -122,12 +121,9 @@ class SliceWorker:
     def setup(self, coordinator: Optional[str], compile_cache_dir: str = "", warm_workers: int = 0,
               state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0) -> dict:
         """Start JAX, build the program, compile the step (the step-0 state
-        is made when first needed). After its first apply, the worker asks
-        this host's raylet for `warm_workers` idle processes for a
-        replacement to start in (worker/warm_pool.py): off the set-up's
-        path, and off the first step's, which a process starting beside it
-        slowed on a host with few cores (2 cores: 0.45 -> 1.7 s; on a
-        replacement, that step is the recovery's last). The state of every
+        is made when first needed); then ask this host's raylet for
+        `warm_workers` idle processes for a replacement to start in
+        (worker/warm_pool.py), off the set-up's path. The state of every
         `state_check_every`-th step is fingerprinted, and the gradients of
         every `grad_check_every`-th (0: never); `final_step`: the run's
         last, whose state is fingerprinted within its apply.
@@ -138,7 +134,8 @@ class SliceWorker:
         out = self._setup(coordinator, compile_cache_dir)
         self._steps.check_every, self._steps.grad_check_every = state_check_every, grad_check_every
         self._steps.final_step = final_step
-        self._warm_ask = warm_workers  # asked for by the first apply
+        if warm_workers:
+            threading.Thread(target=keep_warm, args=(warm_workers,), daemon=True, name="warm-pool").start()
         return out
 
     def _setup(self, coordinator: Optional[str], compile_cache_dir: str) -> dict:
@@ -217,9 +214,6 @@ class SliceWorker:
             metrics = self._steps.apply(step, parts)
             if snapshot:
                 self._transfer.begin_snapshot()
-            if self._warm_ask:  # once, under the lock (setup's docstring says why here)
-                threading.Thread(target=keep_warm, args=(self._warm_ask,), daemon=True, name="warm-pool").start()
-                self._warm_ask = 0
             return metrics
 
     def snapshot(self, step: int, *after: Any) -> tuple[dict, FlatState | HostBlocks]:

@@ -7,10 +7,8 @@ loading the actor's class (~1.5 s), then unpickling the program factory,
 which imports JAX, Flax and Optax (~1.2 s). Ray's raylet keeps a pool of
 idle worker processes per (job, runtime environment) and hands a new actor
 one of them when it has one; it can also start them ahead of demand
-(`PrestartWorkers`, kept alive for a set time). So each worker, once it has
-applied its first step, asks its own raylet for one such process (the
-process's start takes ~2 s of a core, which slowed that first step on a
-2-core host from 0.45 to 1.7 s when the ask came at set-up) in its own runtime
+(`PrestartWorkers`, kept alive for a set time). So each worker, once set
+up, asks its own raylet for one such process in its own runtime
 environment, and that environment names a set-up hook (Ray's
 `worker_process_setup_hook`) that imports JAX, Optax, this package's worker
 and, on CPU slices, the program's module in every worker process at its
