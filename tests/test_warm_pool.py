@@ -58,6 +58,20 @@ def test_hook_env_leaves_out_main_and_yields_to_the_jobs_own_hook(monkeypatch):
     assert hook_env(factory) == {}
 
 
+def test_hook_env_before_ray_is_connected_starts_no_ray():
+    """Asked before the driver connects (a test run's first tests), the
+    job's own hook is looked for without starting a local Ray, which the
+    driver's later ray.init(address) would then not replace."""
+    import subprocess
+
+    code = ("import ray\nfrom ray_elastic.worker.warm_pool import hook_env\n"
+            "def factory(): pass\nassert hook_env(factory)\nprint(ray.is_initialized())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "RAY_ADDRESS": ""})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_preload_imports_what_it_can_and_never_raises(monkeypatch, tmp_path):
     sys.modules.pop("colorsys", None)
     (tmp_path / "exits_on_import.py").write_text("import sys\nsys.exit(3)\n")

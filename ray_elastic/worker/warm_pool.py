@@ -106,6 +106,8 @@ def _job_has_hook() -> bool:
     try:
         import ray
 
+        if not ray.is_initialized():  # asking the runtime context would start a Ray of its own
+            return False
         env = ray.get_runtime_context().runtime_env or {}
         return bool(env.get("worker_process_setup_hook")
                     or (env.get("env_vars") or {}).get(_hook_var() or ""))
