@@ -10,7 +10,7 @@ import pytest
 from ray_elastic import ElasticConfig
 from ray_elastic.control.controller import Controller, Seams
 from ray_elastic.cluster.backend import SliceUp
-from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted, StateLoadFailed
+from ray_elastic.errors import FailureKind, ReplacementTimeout, RetryBudgetExhausted, RunFailed, StateLoadFailed
 from ray_elastic.failures.location import failure
 from ray_elastic.dispatch.step_runner import PartialStep, StepResult
 
@@ -45,6 +45,10 @@ class FakeBackend:
         self.silent: set = set()  # (step, slice) failures whose node does not answer
         self.new_groups: list[int] = []  # slices restarted on a new placement group
         self.evicted: list[str] = []  # nodes a new group must keep off
+        self.unplaced: set = set()  # slices whose group Ray could not place
+
+    def placed(self, s):
+        return s not in self.unplaced
 
     def start(self, s, new_group=False, evict=()):
         self.retire(s)
@@ -201,6 +205,25 @@ def test_fails_when_no_replacement_comes_within_timeout():
         trainer.fit()
     assert trainer.report.steps_completed == 4
     assert events(trainer.report)[-1] == "end"
+
+
+def test_a_start_that_times_out_tells_unplaced_slices_from_slow_ones():
+    config = ElasticConfig(num_slices=3, policy="pause", timeout_s=30, first_step_deadline_s=40)
+    trainer, backend = run(config, steps=5, setup_s=1e6)  # set-up never ends
+    backend.unplaced = {2}
+    with pytest.raises(RunFailed) as got:
+        trainer.fit()
+    msg = str(got.value)
+    assert got.value.setting == "num_slices"  # the first problem: more nodes, or fewer slices
+    assert "only 0 of 3 slices were ready within 40 s" in msg
+    assert "slice(s) [2] could not be placed" in msg and "lower num_slices" in msg
+    assert "slice(s) [0, 1] were placed, but their workers were still starting" in msg
+    # Every slice placed, none set up in time: the deadline is what to change.
+    trainer, backend = run(config, steps=5, setup_s=1e6)
+    with pytest.raises(RunFailed) as got:
+        trainer.fit()
+    assert got.value.setting == "first_step_deadline_s" and "could not be placed" not in str(got.value)
+    assert "raise first_step_deadline_s" in str(got.value)
 
 
 def test_losing_every_slice_restores_the_newest_snapshot():

@@ -16,11 +16,13 @@ import ray
 
 from ray_elastic import (
     ConfigError,
+    CpuSlice,
     ElasticConfig,
     ElasticTrainer,
     Fault,
     ReplacementTimeout,
     RetryBudgetExhausted,
+    RunFailed,
 )
 
 pytestmark = pytest.mark.cluster
@@ -294,6 +296,23 @@ def test_wait_times_out_with_named_error(nodes, lm_factory):
             faults=(Fault("remove_node", 1, FAIL_AT),), cluster=cluster,
         )
     assert info.value.setting == "timeout_s"
+
+
+def test_a_slice_ray_cannot_place_is_named_at_start_up(nodes, lm_factory):
+    """Three two-host slices on four nodes: Ray places two groups (each
+    host on its own node), never the third; the run fails at the start-up
+    deadline naming that slice and num_slices, and leaves no group."""
+    nodes(4)
+    before = {pg["placement_group_id"] for pg in ray.util.placement_group_table().values()
+              if pg["state"] != "REMOVED"}
+    config = ElasticConfig(num_slices=3, slice=CpuSlice(hosts=2), timeout_s=5.0, first_step_deadline_s=5.0)
+    with pytest.raises(RunFailed) as got:
+        ElasticTrainer(lm_factory, config, 5).fit()
+    assert got.value.setting == "num_slices", got.value
+    assert "slice(s) [2] could not be placed (each needs 2 host(s)" in str(got.value)
+    assert "only" in str(got.value) and "of 3 slices were ready within 5 s" in str(got.value)
+    left = {pg["placement_group_id"] for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"}
+    assert left <= before
 
 
 def test_invalid_config_fails_before_reserving(cluster, lm_factory):

@@ -816,3 +816,34 @@ def test_a_slice_gone_from_the_step_is_forgotten():
     assert _observe(det, 2, _times(s0=0.1, s2=0.1)) is None  # slice 1 lost: its count dropped
     assert _observe(det, 3, _times(s0=0.1, s1=0.2, s2=0.1)) is None  # its replacement starts from 0
     assert _observe(det, 4, _times(s0=0.1, s1=0.2, s2=0.1)) is not None
+
+
+def test_grad_judge_keeps_the_newest_agreed_check_as_a_known_answer():
+    checks = GradChecks(every=3)
+    assert checks.agreed is None
+    first, second = CrossCheck(3, 0, 0, (1,)), CrossCheck(6, 1, 1, (0,))
+    assert checks.judge(first, {0: {0: 7}, 1: {0: 7}}) is None
+    assert checks.judge(second, {0: {0: 9}, 1: {0: 9}}) is None
+    assert checks.agreed == (second, {0: 9})
+    assert checks.judge(CrossCheck(9, 0, 0, (1,)), {0: {0: 1}, 1: {0: 2}}) is not None
+    assert checks.agreed == (second, {0: 9})  # a mismatch is no known answer
+    checks.restart(6)
+    assert checks.agreed == (second, {0: 9})  # its state is still there
+    checks.restart(5)
+    assert checks.agreed is None
+    assert checks.judge(first, {0: {0: 7}, 1: {0: 7}}) is None
+    checks.restart(3, cold=True)
+    assert checks.agreed is None
+
+
+def test_the_newest_verified_snapshot_outlives_newer_unverified_ones(store):
+    """It is the rollback's target and a tie-break's known answer: four
+    unverified ones after it drop the oldest of those, never it."""
+    store.verified_through(0)
+    take(store, 2)
+    store.verified_through(2)
+    for step in (4, 6, 8, 10):
+        take(store, step)
+    assert kept(store) == [2, 6, 8, 10]
+    assert store.restore_source(alive, verified=True) == (2, "ref0@2")
+    assert store.restore_source(alive, at_most=5) == (2, "ref0@2")

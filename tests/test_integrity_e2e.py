@@ -226,6 +226,30 @@ def test_without_a_spare_a_gradient_flipped_once_is_told_apart_by_computing_it_a
     assert_same_state(trainer.final_state, ref2.final_state, STEPS)
 
 
+def test_without_a_spare_a_lasting_gradient_fault_is_named_by_the_known_answer(nodes, lm_factory, ref2):
+    """Two slices, no spare, slice 1 computing every gradient wrong from
+    step 7 on: the cross-check of step 9 disagrees, and each slice, loading
+    step 9's state, repeats its own gradient. Each then computes again the
+    gradient of the check of step 6, which both had agreed on, from step
+    6's state: slice 0 makes it again, slice 1 does not, so slice 1 is
+    named, evicted, and the run rolls back to step 6 and ends bitwise
+    equal."""
+    nodes(3)
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=120.0, grad_check_every=3, state_check_every=3)
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, 7, target="grads+"),))
+    [tie] = events(report, "tie_break")
+    assert (tie["of"], tie["step"], tie["by"], tie["known_step"], tie["named"]) == ("gradient", 9, "known_answer", 6,
+                                                                                   [[1, 0]]), tie
+    [diverged] = events(report, "diverged")
+    assert diverged["named"] == [[1, 0]] and "slice 0 made it again, slice 1 did not" in diverged["detail"]
+    [f] = report.failures
+    assert f.kind == "corrupted" and f.slice == 1
+    restore = [e for e in events(report, "restore") if e.get("verified")]
+    assert restore and restore[0]["step"] == 6
+    assert report.steps_completed == STEPS
+    assert_same_state(trainer.final_state, ref2.final_state, STEPS)
+
+
 @pytest.mark.slow
 def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
     """A replicated slice's devices hold the same bits: one flipped on one

@@ -215,3 +215,63 @@ def test_a_gradient_mismatch_stays_unnamed_without_the_check_step_s_snapshot_or_
     for backend in (GradBackend({2: [21]}, fail={2}), GradBackend({2: [None]})):
         assert settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [2],
                             lambda *a, **f: None) == GRAD_FOUND
+
+
+# The newest cross-check both slices agreed on: shard 1 at step 6, whose
+# gradient's fingerprint (host 0) was 42.
+KNOWN = (CrossCheck(step=6, owner=1, shard=1, checkers=(0,)), {0: 42})
+
+
+class KeptSnapshots(GradSnapshots):
+    """The check step's snapshot and the older verified one."""
+
+    def __init__(self, steps=(6, 9)):
+        super().__init__()
+        self.steps = steps
+
+    def restore_source(self, node_alive, at_most=None):
+        self.asked.append(at_most)
+        kept = [s for s in self.steps if s <= at_most]
+        return (kept[-1], f"snap@{kept[-1]}") if kept else None
+
+
+class StepBackend(GradBackend):
+    """recompute answers per (slice, step): {(slice, step): [host prints]}."""
+
+    def recompute(self, slice_id, step, shard):
+        self.recomputed.append((slice_id, step, shard))
+        return ("grads", (slice_id, step))
+
+
+def test_a_lasting_fault_that_repeats_itself_is_named_by_the_known_answer():
+    events = []
+    # Each repeats its own gradient of step 9; from step 6's state slice 0
+    # makes the agreed 42 again, slice 1 (its chips gone bad) does not.
+    backend = StepBackend({(0, 9): [21], (1, 9): [66], (0, 6): [42], (1, 6): [43]})
+    got = settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, KeptSnapshots(), backend, [],
+                       lambda name, **f: events.append((name, f)), clock=_clock(), known=KNOWN)
+    assert got.named == ((1, 0),) and got.verified == GRAD_FOUND.verified
+    assert "slice 0 made it again, slice 1 did not" in got.detail
+    assert backend.loads == [([0], "snap@9"), ([1], "snap@9"), ([0], "snap@6"), ([1], "snap@6")]
+    assert backend.recomputed == [(0, 9, 3), (1, 9, 3), (0, 6, 1), (1, 6, 1)]
+    assert events == [("tie_break", {"step": 9, "of": "gradient", "shard": 3, "by": "known_answer", "slices": [0, 1],
+                                     "known_step": 6, "known_shard": 1, "named": [[1, 0]], "seconds": 1.0})]
+
+
+def test_the_known_answer_names_no_one_when_both_or_neither_make_it_or_it_is_gone():
+    prints = {0: {0: 21}, 1: {0: 66}}
+    for at_6 in ([42], [42]), ([40], [43]):  # both make it (not lasting), neither does
+        backend = StepBackend({(0, 9): [21], (1, 9): [66], (0, 6): at_6[0], (1, 6): at_6[1]})
+        assert settle_grads(GRAD_FOUND, CHECK, prints, KeptSnapshots(), backend, [], lambda *a, **f: None,
+                            known=KNOWN) == GRAD_FOUND
+    # The known check's state is no longer kept: nothing loaded for it.
+    backend = StepBackend({(0, 9): [21], (1, 9): [66]})
+    assert settle_grads(GRAD_FOUND, CHECK, prints, KeptSnapshots(steps=(5, 9)), backend, [], lambda *a, **f: None,
+                        known=KNOWN) == GRAD_FOUND
+    assert backend.loads == [([0], "snap@9"), ([1], "snap@9")]
+    # No known answer, or a flip once (settled by the first recomputation): no second round.
+    backend = StepBackend({(0, 9): [21], (1, 9): [66]})
+    assert settle_grads(GRAD_FOUND, CHECK, prints, KeptSnapshots(), backend, [], lambda *a, **f: None) == GRAD_FOUND
+    backend = StepBackend({(0, 9): [66], (1, 9): [66]})
+    got = settle_grads(GRAD_FOUND, CHECK, prints, KeptSnapshots(), backend, [], lambda *a, **f: None, known=KNOWN)
+    assert got.named == ((0, 0),) and all(step == 9 for _, step, _ in backend.recomputed)

@@ -138,13 +138,18 @@ class SnapshotStore:
         self._prune()
 
     def _prune(self) -> None:
-        """Drop the snapshots older than the newest verified one, and any
-        beyond the newest `_MAX_KEPT` (memory: checks that keep missing
-        must not pile snapshots up)."""
+        """Drop the snapshots older than the newest verified one, and the
+        oldest unverified ones beyond `_MAX_KEPT` in all (memory: checks
+        that keep missing must not pile snapshots up). The newest verified
+        one stays whatever comes after it: it is where a rollback past a
+        corruption goes, and the state a two-slice tie-break computes its
+        known answer from (control/tie_break.py)."""
         verified = [i for i, p in enumerate(self._kept) if p.step <= self._verified]
         if verified:
             del self._kept[:verified[-1]]
-        del self._kept[:-_MAX_KEPT]
+            del self._kept[1:-(_MAX_KEPT - 1)]
+        else:
+            del self._kept[:-_MAX_KEPT]
 
     def verified_through(self, step: int) -> None:
         """The replicas agreed on the state of `step`: snapshots of it or

@@ -80,6 +80,10 @@ class SliceBackend(Protocol):
 
     def node_alive(self, node_id: str) -> bool: ...
 
+    def placed(self, slice_id: int) -> bool:
+        """Whether Ray has placed the slice's group (each host has its
+        node), whether or not its workers are set up yet."""
+
     def slow_down(self, slice_id: int, host: int, ms: int) -> None:
         """Make the host take `ms` longer per gradient call (a `slow` fault)."""
 

@@ -101,6 +101,9 @@ class RayBackend:
                 up.append(SliceUp(s, round(live.ready_at - p.started_at, 3), dict(live.phases)))
         return up
 
+    def placed(self, slice_id: int) -> bool:
+        return self._slices.placement_group_state(slice_id) == "CREATED"
+
     def _restart(self, s: int, e: BaseException) -> None:
         log.warning("replacement for slice %d failed to start: %s", s, e)
         self.start(s)

@@ -30,7 +30,8 @@ from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
 from ray_elastic.control.preflight import check_program
-from ray_elastic.errors import ConfigError, NonFiniteLoss, RunFailed, SliceFailure, SlicePreempted
+from ray_elastic.control.startup import start_timeout
+from ray_elastic.errors import ConfigError, NonFiniteLoss, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -277,14 +278,7 @@ class Controller:
         while not training <= m.ready and self._clock() < deadline:
             m.poll(block_s=0.2)
         if len(m.ready) < self.config.required_slices:
-            bundles = self.config.slice.bundles()
-            raise RunFailed(
-                f"only {len(m.ready)} of {self.config.num_slices} slices (each "
-                f"{len(bundles)} host(s) of {bundles[0]}) could be placed within "
-                f"{wait_s:g} s (the larger of timeout_s and first_step_deadline_s). "
-                "Add nodes to the cluster, lower num_slices, or raise timeout_s.",
-                setting="num_slices",
-            )
+            raise start_timeout(self.config, m.ready, m.backend.placed, wait_s)
         m.go_live(training if training <= m.ready else set(sorted(m.ready)[: self.config.num_slices]))
         self._started = True
         self._event("start", slices=sorted(m.live), spares=sorted(m.ready))

@@ -149,6 +149,9 @@ class GradChecks:
         self._count = 0  # cross-checks planned: the rotation
         self._clean: dict[int, int] = {}  # slice -> the last step its gradients matched
         self._start = start_step
+        # The newest check whose computations all agreed, with the agreed
+        # {host: fingerprint}: a known answer (tie_break.settle_grads).
+        self.agreed: Optional[tuple[CrossCheck, dict[int, int]]] = None
 
     def due(self, step: int) -> bool:
         return bool(self.every) and step > 0 and step % self.every == 0
@@ -176,6 +179,7 @@ class GradChecks:
         if len(counts) == 1:
             for s in votes:
                 self._clean[s] = max(self._clean.get(s, self._start), check.step)
+            self.agreed = (check, dict(next(iter(counts))))
             return None
         top, n = counts.most_common(1)[0]
         what = f"the gradient of shard {check.shard} at step {check.step}"
@@ -203,6 +207,8 @@ class GradChecks:
         checkpoint of it): checks past it are void."""
         self._start = step if cold else min(self._start, step)
         self._clean = {s: min(t, step) for s, t in self._clean.items()}
+        if self.agreed is not None and (cold or self.agreed[0].step > step):
+            self.agreed = None  # its state is gone with the snapshots past `step`
 
 
 def roll_back(members, snapshots, found: Divergence, event, failures=()) -> Optional[int]:

@@ -27,7 +27,11 @@ snapshot while two slices are live (checking.py), so the spare, or else
 each of the two, loads that very state (the one both computed from,
 whatever earlier gradients made it) and computes the shard's gradient
 again (`settle_grads`); `judge` reads the fingerprints as it reads the
-states'.
+states'. Two that each repeat their own gradient (a fault that lasts, on
+one of them) then get a known answer to match: each computes again the
+gradient of the newest cross-check both had agreed on, from that check's
+state (the newest verified snapshot, which the store keeps); the slice
+whose chips went bad since no longer makes it.
 
 `judge` is pure; `settle` and `settle_grads` carry the work out on the
 backend.
@@ -132,13 +136,18 @@ def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots
 
 def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int]], snapshots, backend,
                  spares: Sequence[int], event: Callable[..., None], clock: Callable[[], float] = time.monotonic,
-                 wait_s: float = _REPLAY_BASE_S) -> Divergence:
+                 wait_s: float = _REPLAY_BASE_S, known: Optional[tuple] = None) -> Divergence:
     """Try to name the slice behind an unnamed cross-check mismatch
     between two slices (`check`, a CrossCheck; `prints`: each slice's
     {host: fingerprint} of the shard's gradient): the spare, or else each
     of the two, loads the snapshot of the check's step and computes the
-    gradient again. `found` as it was when that snapshot is gone (a
-    `tie_break` event says how it went)."""
+    gradient again. Two that each repeat their own (a lasting fault)
+    then face a known answer, `known`: (the newest cross-check both
+    agreed on, its {host: fingerprint}); each loads that check's state
+    (the newest verified snapshot) and computes its shard again, and the
+    one that no longer makes the agreed gradient is named. `found` as it
+    was when the snapshots are gone (a `tie_break` event says how it
+    went)."""
     original = {s: dict(p) for s, p in prints.items() if p}
     if found.named or len(original) != 2:
         return found
@@ -148,17 +157,56 @@ def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int
         event("tie_break", step=check.step, by=None, named=[], reason="no snapshot of the cross-check's step")
         return found
     spare = min(spares) if spares else None
-    t0, again = clock(), {}
-    for s in [spare] if spare is not None else sorted(original):
-        try:
-            backend.load([s], got[1], timeout_s=wait_s)
-            fps = backend.fetch(backend.recompute(s, check.step, check.shard), timeout_s=wait_s)
-            if fps and fps[0] is not None:  # None: the slice's state was not the check's (missed)
-                again[s] = {h: fp for h, fp in enumerate(fps) if fp is not None}
-        except Exception:  # lost or failed in its recomputation: no vote from that slice
-            _settle_calls(backend, s, check.step)
+    t0 = clock()
+    slices = [spare] if spare is not None else sorted(original)
+    again = _recompute(backend, slices, got[1], check.step, check.shard, wait_s)
     settled = judge(found, original, again, spare, redo="computed it again", made="gradient")
-    event("tie_break", step=check.step, of="gradient", shard=check.shard, by="spare" if spare is not None else "replay",
-          slices=sorted(again) if spare is None else [spare], named=[list(k) for k in settled.named],
-          seconds=round(clock() - t0, 3))
+    fields = {"by": "spare" if spare is not None else "replay", "slices": sorted(again) if spare is None else [spare]}
+    if (not settled.named and spare is None and known is not None and known[0].step < check.step
+            and all(again.get(s) == original[s] for s in original)):
+        settled, fields = _known_answer(settled, known, snapshots, backend, slices, wait_s), {
+            "by": "known_answer", "slices": slices, "known_step": known[0].step, "known_shard": known[0].shard}
+    event("tie_break", step=check.step, of="gradient", shard=check.shard, **fields,
+          named=[list(k) for k in settled.named], seconds=round(clock() - t0, 3))
     return settled
+
+
+def _recompute(backend, slices: Sequence[int], source, step: int, shard: int, wait_s: float) -> dict:
+    """Each slice loads `source` (the state of `step`) and computes the
+    gradient of `shard` again: {slice: {host: fingerprint}} of those that
+    answered."""
+    out: dict = {}
+    for s in slices:
+        try:
+            backend.load([s], source, timeout_s=wait_s)
+            fps = backend.fetch(backend.recompute(s, step, shard), timeout_s=wait_s)
+            if fps and fps[0] is not None:  # None: the slice's state was not the check's (missed)
+                out[s] = {h: fp for h, fp in enumerate(fps) if fp is not None}
+        except Exception:  # lost or failed in its recomputation: no vote from that slice
+            _settle_calls(backend, s, step)
+    return out
+
+
+def _known_answer(found: Divergence, known: tuple, snapshots, backend, slices: Sequence[int],
+                  wait_s: float) -> Divergence:
+    """Both slices repeat their own gradient: a lasting fault on one of
+    them. Each computes again the gradient of the newest cross-check both
+    had agreed on, from that check's state: a slice whose chips now
+    compute wrong no longer makes it; the other does (a step is a
+    deterministic function of its state, step and shard)."""
+    check, agreed = known
+    got = snapshots.restore_source(backend.node_alive, at_most=check.step)
+    if got is None or got[0] != check.step:
+        return found
+    again = _recompute(backend, slices, got[1], check.step, check.shard, wait_s)
+    if len(again) != len(slices):
+        return found
+    odd = sorted((s, h) for s in slices for h, fp in agreed.items() if again[s].get(h) != fp)
+    bad = {s for s, _ in odd}
+    if len(bad) != 1:  # both make it again (the fault is not lasting) or neither
+        return found
+    [b] = bad
+    [good] = [s for s in slices if s != b]
+    how = (f"each slice repeated its own gradient, then computed again that of shard {check.shard} at step "
+           f"{check.step}, which both had agreed on: slice {good} made it again, slice {b} did not")
+    return dataclasses.replace(found, named=tuple(odd), detail=f"{found.detail}; tie-break: {how}")
