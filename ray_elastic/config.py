@@ -227,6 +227,8 @@ class ElasticConfig:
     compile_cache_dir: XLA's persistent compilation cache on each worker
         host; a replacement worker then loads the step program instead of
         compiling it (about 3.7 s to 0.9 s for the example model here).
+        Hosts 1 and up of a CPU slice, which JAX's cache does not serve,
+        keep their own compiled functions in it (worker/host_cache.py).
         "" turns it off.
     warm_workers: 1 keeps an idle worker process beside each worker, with
         Ray up and JAX, Optax and (CPU slices) the program's module

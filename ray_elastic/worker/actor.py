@@ -36,6 +36,7 @@ from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
 from ray_elastic.program import TrainProgram
 from ray_elastic.worker.checkpoints import HostCheckpointing
 from ray_elastic.worker.exchange_stats import ExchangeStats
+from ray_elastic.worker.host_cache import HostCompileCache
 from ray_elastic.worker.inputs import Aborts, fetch_inputs
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.worker.readiness import readiness_phases
@@ -142,13 +143,14 @@ class SliceWorker:
         t0 = time.perf_counter()
         marks = [("setup_start", time.time())]
         devices = start_jax(coordinator, compile_cache_dir, self.hosts, self.host, marks)
-        self._layout = layout = lay_out(devices, self._factory, self._seed, marks)
+        cache = HostCompileCache(compile_cache_dir)  # hosts JAX's own cache misses (host_cache.py)
+        self._layout = layout = lay_out(devices, self._factory, self._seed, marks, cache.compile)
         self._held.start(layout.initial)
         if _EAGER_SETUP:  # as before (the bench's reference): the state now, and jax's unravel
             self._held.ensure()
         marks.append(("initial_state", time.time()))
         eager_state = (self._held.params, self._held.opt_state) if _EAGER_SETUP else None
-        compiled = compile_step(layout, self._seed, self._num_shards, marks, eager_state)
+        compiled = compile_step(layout, self._seed, self._num_shards, marks, eager_state, cache.compile)
         self._steps = SliceSteps(layout, compiled, self._held, slice_id=self.slice_id, host=self.host,
                                  seed=self._seed, num_shards=self._num_shards, exchange=self._exchange,
                                  notice=self._notice)
@@ -156,7 +158,8 @@ class SliceWorker:
         self._checkpoints = HostCheckpointing(layout, self._transfer, self._held, self.host, self.hosts)
         phases = readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
         return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": phases,
-                "ready_at": marks[-1][1], "per_host": layout.sharded}
+                "ready_at": marks[-1][1], "per_host": layout.sharded,
+                "host_cache": {"hits": cache.hits, "misses": cache.misses}}
 
     # -- one step, in two phases -------------------------------------------
 

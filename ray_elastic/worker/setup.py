@@ -67,15 +67,21 @@ def start_jax(coordinator: Optional[str], compile_cache_dir: str, hosts: int, ho
     return devices
 
 
+def _compile(lowered: Any) -> Any:
+    return lowered.compile()
+
+
 class InitialState:
     """The step-0 state's functions, lowered at set-up (traced once: a
     program may cache what its init traces), compiled and run only when
     the state is first needed: a replacement loads the live state at once,
     so making it there would be wasted."""
 
-    def __init__(self, init_params, init_opt, rng, pretrained: Any = None, param_specs: Any = None) -> None:
+    def __init__(self, init_params, init_opt, rng, pretrained: Any = None, param_specs: Any = None,
+                 compile_fn: Callable = _compile) -> None:
         self._init_params, self._init_opt, self._rng = init_params, init_opt, rng
         self._pretrained, self._param_specs = pretrained, param_specs
+        self._compile = compile_fn
 
     def make(self) -> tuple:
         """(params, opt_state) of step 0, laid out on the slice's mesh: the
@@ -83,8 +89,8 @@ class InitialState:
         if self._pretrained is not None:
             params = load_pretrained(self._pretrained, self._param_specs)
         else:
-            params = self._init_params.compile()(self._rng)
-        return params, self._init_opt.compile()(params, self._rng)
+            params = self._compile(self._init_params)(self._rng)
+        return params, self._compile(self._init_opt)(params, self._rng)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,9 +150,11 @@ def traced_under(mesh: Any, rules: tuple):
             yield
 
 
-def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: int, marks: list) -> StateLayout:
+def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: int, marks: list,
+            compile_fn: Callable = _compile) -> StateLayout:
     """Build the program and lay its state out over `devices` by its
-    layout; lower the step-0 state's functions. Marks `program_build`."""
+    layout; lower the step-0 state's functions (`compile_fn` compiles
+    them when the state is first needed). Marks `program_build`."""
     import jax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -176,7 +184,7 @@ def lay_out(devices: list, program_factory: Callable[[], TrainProgram], seed: in
         sharded=sharded, param_specs=p_specs, param_def=p_def, opt_specs=o_specs, opt_def=o_def,
         param_shardings=p_out, opt_shardings=o_out,
         template={"params": jax.tree.map(plain, p_shape), "opt_state": jax.tree.map(plain, o_shape)},
-        initial=InitialState(init_params, init_opt, rng, program.pretrained, params),
+        initial=InitialState(init_params, init_opt, rng, program.pretrained, params, compile_fn),
     )
 
 
@@ -220,11 +228,12 @@ class CompiledStep:
 
 
 def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
-                 eager_state: Optional[tuple] = None) -> CompiledStep:
-    """Compile the step against the layout's shapes, ahead of time, through
-    the persistent compile cache when it is set. Marks `compile` once all
-    the step's functions are compiled. `eager_state`: (params, opt_state)
-    already made (RAY_ELASTIC_EAGER_SETUP), for jax's unravel."""
+                 eager_state: Optional[tuple] = None, compile_fn: Callable = _compile) -> CompiledStep:
+    """Compile the step against the layout's shapes, ahead of time, with
+    `compile_fn` (through the persistent compile caches when they are
+    set: host_cache.py). Marks `compile` once all the step's functions are
+    compiled. `eager_state`: (params, opt_state) already made
+    (RAY_ELASTIC_EAGER_SETUP), for jax's unravel."""
     import jax
 
     program = layout.program
@@ -249,7 +258,7 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
         lowered = jax.jit(grad_fn, out_shardings=(rep, rep, rep, rep, p_out)).lower(
             params, opt_state, global_shape, scalar(np.int32), scalar(np.int32))
         check_outputs(program, lowered.out_info, held_state)
-        grad = lowered.compile()
+        grad = compile_fn(lowered)
         if program.eval_every:
             sample = program.make_eval_batch(seed, 0, num_shards, rows=None) if program.eval_batch_takes_rows \
                 else program.make_eval_batch(seed, 0, num_shards)
@@ -257,12 +266,11 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
             lowered = jax.jit(eval_function(program, layout.mesh, seed, num_shards), out_shardings=rep).lower(
                 params, opt_state, eval_shape, scalar(np.int32), scalar(np.int32))
             check_outputs(program, (*lowered.out_info, None, None), None, fn="eval_fn", declared=program.eval_aux)
-            evaluate = lowered.compile()
+            evaluate = compile_fn(lowered)
         metrics = {name: scalar(np.float32) for name in ("loss", *program.aux)}
-        update = (
+        update = compile_fn(
             jax.jit(update_function(program), out_shardings=(p_out, o_out), donate_argnums=(0, 1))
             .lower(params, opt_state, params, held_state, metrics)
-            .compile()
         )
     from jax.flatten_util import ravel_pytree
 
@@ -270,10 +278,9 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     if not layout.sharded:  # a sharded host's snapshot is its own blocks: no flat copy
         if eager_state is not None:
             _, unravel = ravel_pytree(eager_state)
-        flatten = (
+        flatten = compile_fn(
             jax.jit(lambda p, o: ravel_pytree((p, o))[0], out_shardings=layout.replicated)
             .lower(params, opt_state)
-            .compile()
         )
     marks.append(("compile", time.time()))
     return CompiledStep(grad=grad, update=update, flatten=flatten, unravel=unravel, rows=fed,
