@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|sharded|contract|data|snapshots|integrity] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -20,6 +20,9 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - ready: a replacement worker's placement to ready, per phase (process
   start, imports, JAX init, program, initial state, compile, first state
   load), `--runs` replacements per variant;
+- hoststart: whole runs on 2 slices x 2 CPU hosts with a worker killed,
+  the hosts' own compile cache (worker/host_cache.py) kept against
+  emptied (alternated): start, first step, replacement, whole run;
 - sharded: a >= 200 MB state sharded (FSDP) on 2 slices x 2 hosts: worker
   peak memory against the replicated layout, the driver's memory as the
   state grows 4x, step time against one plain jax.distributed job, and the
@@ -59,11 +62,12 @@ def _csv(text: str) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "sharded",
+    parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
+                             "hoststart: alternated rounds (3); "
                              "sharded: alternated ray_elastic/plain rounds (quick 1, full 2); "
                              "contract: alternated today/new-contract pairs (quick 2, full 5)")
     parser.add_argument("--variants", type=_csv, default=None,
@@ -143,6 +147,22 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "ready.json"), "w") as f:
             json.dump(result, f, indent=1)
         with open(os.path.join(args.out, "ready.md"), "w") as f:
+            f.write(text + "\n")
+        return 0
+
+    if args.suite == "hoststart":
+        from bench import hoststart
+
+        cluster = start_cluster(hoststart.SLICES * hoststart.HOSTS)
+        try:
+            result = hoststart.run(cluster, runs=args.runs or 3)
+        finally:
+            cluster.shutdown()
+        text = hoststart.table(result)
+        print(text)
+        with open(os.path.join(args.out, "hoststart.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(args.out, "hoststart.md"), "w") as f:
             f.write(text + "\n")
         return 0
 

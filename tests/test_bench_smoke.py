@@ -180,6 +180,26 @@ def test_ready_tiny(cluster, nodes, lm_factory):
 
 
 @pytest.mark.slow
+def test_hoststart_tiny(cluster):
+    """`python -m bench hoststart`: both variants run whole (a kill and
+    its replacement each), the cold one with the hosts' folder emptied and
+    refilled by its run."""
+    import os
+
+    from bench import hoststart
+    from ray_elastic import ElasticConfig
+    from ray_elastic.worker.host_cache import FOLDER
+
+    result = hoststart.run(cluster, runs=1)
+    assert [r["variant"] for r in result["runs"]] == list(hoststart.VARIANTS)
+    for row in result["runs"]:
+        assert row["start_s"] > 0 and row["first_step_s"] > 0 and row["replacement_s"] > 0
+        assert row["total_s"] > row["start_s"]
+    assert os.listdir(os.path.join(ElasticConfig().compile_cache_dir, FOLDER))
+    assert "| cold_hosts |" in hoststart.table(result)
+
+
+@pytest.mark.slow
 def test_contract_tiny(cluster, tmp_path):
     """`python -m bench contract`: one today/new-contract pair and one
     round of each microbatch variant; every figure is there and positive,
