@@ -10,8 +10,9 @@ here is a whole run of the example LM (fsdp) on 2 slices of 2 hosts of
 so that they share the machine's load:
 - `default`: the hosts' folder kept from the run before;
 - `cold_hosts`: that folder emptied before the run, so that hosts 1 and up
-  compile every function, as they all did before it existed (host 0 still
-  reads JAX's own cache in both).
+  compile every function at the start, as they all did at every start
+  before it existed (host 0 still reads JAX's own cache in both). The
+  replacement reads the folder in both: the run's own start filled it.
 A first run fills both caches and is left out.
 
 Figures per run: `start` (the trainer's construction to its slices up),
