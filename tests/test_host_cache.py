@@ -9,23 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
+
+from ray_elastic.worker.setup import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRIVER = os.path.join(ROOT, "tests", "drivers", "host_cache_driver.py")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slice(cache_dir: str) -> list[dict]:
     """Both processes of a slice, run to the end; their JSON lines."""
-    port = _port()
+    port = free_port()
     procs = [subprocess.Popen([sys.executable, DRIVER, str(h), str(port), cache_dir], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for h in (0, 1)]
     out = []
