@@ -48,7 +48,6 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -110,7 +109,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from bench.common import start_cluster
+    from bench.common import start_cluster, write_result
 
     os.makedirs(args.out, exist_ok=True)
     t0 = time.monotonic()
@@ -124,10 +123,7 @@ def main(argv=None) -> int:
             cluster.shutdown()
         text = core.table(result)
         print(text)
-        with open(os.path.join(args.out, "core.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "core.md"), "w") as f:
-            f.write(text + "\n")
+        write_result(args.out, "core", result, text)
         return 0
 
     if args.suite == "ready":
@@ -144,10 +140,7 @@ def main(argv=None) -> int:
             cluster.shutdown()
         text = ready.table(result)
         print(text)
-        with open(os.path.join(args.out, "ready.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "ready.md"), "w") as f:
-            f.write(text + "\n")
+        write_result(args.out, "ready", result, text)
         return 0
 
     if args.suite == "hoststart":
@@ -160,10 +153,7 @@ def main(argv=None) -> int:
             cluster.shutdown()
         text = hoststart.table(result)
         print(text)
-        with open(os.path.join(args.out, "hoststart.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "hoststart.md"), "w") as f:
-            f.write(text + "\n")
+        write_result(args.out, "hoststart", result, text)
         return 0
 
     if args.suite == "sharded":
@@ -246,10 +236,7 @@ def main(argv=None) -> int:
         result = detect.run(runs=args.runs or (1 if args.quick else 3))
         text = detect.table(result)
         print(text)
-        with open(os.path.join(args.out, "detect.json"), "w") as f:
-            json.dump(result, f, indent=1)
-        with open(os.path.join(args.out, "detect.md"), "w") as f:
-            f.write(text + "\n")
+        write_result(args.out, "detect", result, text)
         return 0
 
     if args.suite == "soak":
@@ -317,9 +304,7 @@ def main(argv=None) -> int:
             cluster.shutdown()
         text = (call_floor.table if args.floor else scale.pipelined_table)(result)
         print(text)
-        for ext, body in (("json", json.dumps(result, indent=1)), ("md", text + "\n")):
-            with open(os.path.join(args.out, f"{name}.{ext}"), "w") as f:
-                f.write(body)
+        write_result(args.out, name, result, text)
         print(f"\nwrote {name}.json and .md under {args.out} ({time.monotonic() - t0:.0f} s)")
         return 0
     try:
@@ -330,10 +315,7 @@ def main(argv=None) -> int:
         cluster.shutdown()
     text = scale.table(result)
     print(text)
-    with open(os.path.join(args.out, "scale.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(args.out, "scale.md"), "w") as f:
-        f.write(text + "\n")
+    write_result(args.out, "scale", result, text)
     png = scale.chart(result, os.path.join(args.out, "scale.png"))
     print(f"\nwrote scale.json, scale.md and {os.path.basename(png)} under {args.out} "
           f"({time.monotonic() - t0:.0f} s)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import statistics
 import sys
@@ -19,7 +18,7 @@ import tempfile
 import time
 import uuid
 
-from bench.common import ensure_nodes, idle_cpu_load, lm_factory, start_cluster, steady_step_time, summary
+from bench.common import ensure_nodes, idle_cpu_load, lm_factory, start_cluster, steady_step_time, summary, write_result
 
 
 def _big_state(mb: int):
@@ -253,10 +252,7 @@ def main(argv=None) -> int:
         lines.append(f"| checkpoint overhead, writer on its own core (as on a head node) | {o['overhead_own_core'] * 100:+.1f} % (by mean {o['overhead_own_core_by_mean'] * 100:+.1f} %) | ≤ 5 % |")
     text = "\n".join(lines)
     print(text)
-    with open(os.path.join(a.out, "ckpt.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(a.out, "ckpt.md"), "w") as f:
-        f.write(text + "\n")
+    write_result(a.out, "ckpt", result, text)
     return 0
 
 

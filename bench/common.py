@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import statistics
 import subprocess
@@ -41,6 +42,14 @@ def ensure_nodes(cluster, n: int) -> None:
         cluster.cluster.remove_node(cluster.nodes.pop(node_id))
     while len(cluster.nodes) < n:
         cluster.add_node()
+
+
+def write_result(out_dir: str, name: str, result: dict, text: str) -> None:
+    """Write a suite's figures as NAME.json and its table as NAME.md under out_dir."""
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(text + "\n")
 
 
 def summary(values: list[float]) -> dict:
