@@ -87,6 +87,9 @@ def elastic_run(config, hosts: int, steps: int, every, mtbf_s: float = 86400.0, 
     report = trainer.fit()
     out = {"hosts": hosts, "every": every, "steps": steps, "wall_s": time.monotonic() - t0,
            "step_times": list(report.step_times), "snapshots": report.snapshots,
+           # The bound in force when a loss struck: snapshots measured before
+           # the first (those after a rewind may have smaller steps).
+           "snapshots_before_loss": _snapshots_before_loss(report.events),
            "failures": [dataclasses.asdict(f) for f in report.failures],
            "workers_cpu_s": cpu[steps] - cpu[WARMUP] if len(cpu) == 2 else None}
     if keep:
@@ -165,7 +168,7 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
     ref = elastic_run(small, 1, n3, "auto", mtbf_s=30.0, keep=True)
     hit = elastic_run(small, 1, n3, "auto", mtbf_s=30.0, keep=True,
                       faults=(Fault("kill", 0, fail_at), Fault("kill", 1, fail_at)))
-    before = [s for s in hit["snapshots"] if s["step"] <= fail_at]
+    before = hit["snapshots_before_loss"]
     result["all_lost"] = {
         "fail_at": fail_at, "failures": hit["failures"],
         "stated_max_redo_steps": before[-1]["max_redo_steps"] if before else None,
@@ -177,6 +180,16 @@ def run(cluster, quick: bool = False, runs: int = None, steps: int = None, log=p
     result["wall_s"] = time.monotonic() - t0
     save()
     return result
+
+
+def _snapshots_before_loss(events: list) -> list:
+    snaps = []
+    for e in events:
+        if e["event"] == "detected":
+            break
+        if e["event"] == "snapshot":
+            snaps.append(e)
+    return snaps
 
 
 def _same(a, b) -> bool:
