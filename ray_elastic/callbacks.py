@@ -15,7 +15,8 @@ __all__ = ["CONTROLLER_STEP_KEYS", "Callback", "FunctionCallback", "Phase", "Run
 # live slices, the step's seconds and, on a step that reports state
 # fingerprints, the seconds the slowest host took to make them and the
 # longest any apply waited for them (control/integrity.py).
-CONTROLLER_STEP_KEYS = ("loss", "slices", "step_s", "check_s", "check_wait_s")
+CONTROLLER_STEP_KEYS = ("loss", "slices", "step_s", "check_s", "check_wait_s", "gc_pause_s",
+                        "gc_full")
 
 
 class Phase(str, enum.Enum):
@@ -65,8 +66,10 @@ class Callback:
         """After every completed step. metrics: loss, slices, step_s (and
         check_s and check_wait_s on a step that reports state
         fingerprints: the slowest host's seconds making them, the longest
-        any apply waited for them), and the program's aux metrics by name
-        (reduced over the global batch)."""
+        any apply waited for them), gc_pause_s and gc_full (the longest
+        any host's garbage collector held its Python still since its last
+        step, and the hosts' full collections), and the program's aux
+        metrics by name (reduced over the global batch)."""
 
     def on_end(self, report: Any) -> None:
         """After the run, successful or not; report is the RunReport."""

@@ -36,6 +36,7 @@ from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
 from ray_elastic.program import TrainProgram
 from ray_elastic.worker.checkpoints import HostCheckpointing
 from ray_elastic.worker.exchange_stats import ExchangeStats
+from ray_elastic.worker.gc_pauses import GcPauses
 from ray_elastic.worker.host_cache import HostCompileCache
 from ray_elastic.worker.inputs import Aborts, fetch_inputs
 from ray_elastic.worker.notices import PreemptionNotice
@@ -90,6 +91,10 @@ class SliceWorker:
         # the process mid-step (notices.py).
         self._notice = PreemptionNotice()
         self._notice.install()
+        # The collector's walks of JAX's heap stop every thread's Python;
+        # the heap is frozen once built (gc_pauses.py).
+        self._gc = GcPauses()
+        self._first_apply_done = False
         # Made by `setup`: the layout, the step, the state's transfers and checkpoints.
         self._layout = self._steps = self._transfer = self._checkpoints = None
 
@@ -133,6 +138,7 @@ class SliceWorker:
         host: a sharded layout), ready_at and `phases`: seconds per part of
         the way from the actor's creation to ready (readiness.py)."""
         out = self._setup(coordinator, compile_cache_dir)
+        out["gc_frozen"] = self._gc.freeze(collect=True)
         self._steps.check_every, self._steps.grad_check_every = state_check_every, grad_check_every
         self._steps.final_step = final_step
         if warm_workers:
@@ -217,7 +223,11 @@ class SliceWorker:
             metrics = self._steps.apply(step, parts)
             if snapshot:
                 self._transfer.begin_snapshot()
-            return metrics
+        if not self._first_apply_done:  # what the first step made on use lives as long as the process
+            self._first_apply_done = True
+            self._gc.freeze()
+        metrics["gc_pause_s"], metrics["gc_full"] = self._gc.take()
+        return metrics
 
     def snapshot(self, step: int, *after: Any) -> tuple[dict, FlatState | HostBlocks]:
         """(status, state): the snapshot of the state after step `step`
