@@ -47,11 +47,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from ray_elastic.paths import work_path  # noqa: E402
+
 __all__ = ["SCENARIOS", "run_raytrain", "run_full_restart"]
 
 SCENARIOS = ("kill", "stop", "remove_node", "preempt")
 SEED = 0
-COMPILE_CACHE_DIR = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
+COMPILE_CACHE_DIR = work_path("xla-cache")
 _POLL_S = 0.05
 
 

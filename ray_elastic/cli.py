@@ -32,12 +32,12 @@ import logging
 import os
 import queue
 import sys
-import tempfile
 import threading
 import time
 from typing import Optional
 
 from ray_elastic.failures.faults import CORRUPT_TARGETS
+from ray_elastic.paths import work_path
 
 __all__ = ["main"]
 
@@ -115,7 +115,7 @@ def _demo(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     # What Ray prints in this process (from the cluster's start on) goes
     # to this file; each Ray process logs to the session's own folder.
-    own = os.path.join(tempfile.gettempdir(), "ray_elastic", f"demo-{os.getpid()}.out")
+    own = work_path(f"demo-{os.getpid()}.out")
     os.makedirs(os.path.dirname(own), exist_ok=True)
     with _RayOutputToFile(own) as console:
         cluster = LocalCluster(num_nodes=num_nodes)

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import tempfile
 from typing import Any, Optional, Union
 
 from ray_elastic.errors import ConfigError
+from ray_elastic.paths import work_path
 
 __all__ = ["CpuSlice", "GpuSlice", "TpuSlice", "ElasticConfig", "SliceSpec"]
 
@@ -266,7 +265,7 @@ class ElasticConfig:
     straggler_factor: float = 1.3
     straggler_steps: int = 10
     first_step_deadline_s: float = 120.0
-    compile_cache_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache")
+    compile_cache_dir: str = work_path("xla-cache")
     seed: int = 0
     spare_slices: int = 0
     warm_workers: int = 1

@@ -223,3 +223,35 @@ def test_wheel_runs_the_demo_from_an_empty_folder(tmp_path):
     assert where and os.path.isdir(where.group(1)), out
     with open(where.group(2)) as f:
         assert "Connected to Ray cluster" in f.read()  # Ray's own lines went here instead
+
+
+def test_the_default_folders_never_shadow_the_package(tmp_path):
+    """Every folder the project makes by default (its working folder in the
+    temp folder, the compile cache, the rescue folder, the demo's output)
+    has a name Python cannot import, so a script or notebook started in
+    the temp folder still imports the installed package. Made for real
+    in a stand-in temp folder, then imported from there."""
+    from ray_elastic import ElasticConfig
+    from ray_elastic.checkpoint.config import CheckpointConfig
+    from ray_elastic.paths import WORK_DIR
+
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    made = [ElasticConfig().compile_cache_dir, CheckpointConfig(path=str(tmp_path / "c")).rescue_dir, WORK_DIR]
+    for path in made:
+        first = os.path.relpath(path, tmp).split(os.sep)[0]
+        assert not first.isidentifier(), f"{path}: {first!r} could be imported as a module from {tmp}"
+    # The same names, made in a temp folder of this test's own, from which
+    # Python is started: the package it imports is the installed one.
+    fake_tmp = tmp_path / "tmp"
+    for path in made:
+        (fake_tmp / os.path.relpath(path, tmp)).mkdir(parents=True, exist_ok=True)
+    code = "import ray_elastic; print(ray_elastic.ElasticTrainer.__name__, ray_elastic.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=fake_tmp, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.startswith("ElasticTrainer ") and str(fake_tmp) not in out.stdout, out.stdout
+    # And the check can fail: a folder named like the package does shadow it.
+    (fake_tmp / "ray_elastic").mkdir()
+    shadowed = subprocess.run([sys.executable, "-c", code], cwd=fake_tmp, capture_output=True, text=True, timeout=120)
+    assert shadowed.returncode != 0 and "ElasticTrainer" in shadowed.stderr

@@ -8,12 +8,12 @@ import functools
 import os
 import signal
 import sys
-import tempfile
 import time
 
 import pytest
 
 from ray_elastic import ConfigError, ElasticConfig
+from ray_elastic.paths import work_path
 from ray_elastic.worker.warm_pool import PRELOAD_ENV, STAMP_ENV, hook_env, preload
 
 
@@ -150,7 +150,7 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
 
     nodes(1)
     slices = RaySlices(OwnPool(), lm_factory, seed=0, num_shards=1, run_name=f"test-warm-{os.getpid()}",
-                       compile_cache_dir=os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache"),
+                       compile_cache_dir=work_path("xla-cache"),
                        warm_workers=1)
     try:
         live = _up(slices)

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 
 from ray_elastic.errors import ConfigError, StorageError
+from ray_elastic.paths import work_path
 
 __all__ = ["CheckpointConfig"]
 
@@ -37,7 +36,7 @@ class CheckpointConfig:
     retry_backoff_s: float = 0.5
     max_failed_saves: int = 3
     save_timeout_s: float = 600.0
-    rescue_dir: str = os.path.join(tempfile.gettempdir(), "ray_elastic", "rescue")
+    rescue_dir: str = work_path("rescue")
 
     def __post_init__(self):
         if not isinstance(self.path, str) or not self.path.strip():

@@ -10,7 +10,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -21,6 +20,7 @@ import numpy as np  # noqa: E402
 
 from examples.lm import LMConfig, make_program, sharded_layout  # noqa: E402
 from ray_elastic.worker.actor import SliceWorker  # noqa: E402
+from ray_elastic.paths import work_path  # noqa: E402
 
 sharding = sys.argv[1]
 factory = functools.partial(make_program, LMConfig(), sharded_layout(sharding))
@@ -29,7 +29,7 @@ factory = functools.partial(make_program, LMConfig(), sharded_layout(sharding))
 def worker(slice_id):
     w = SliceWorker(slice_id, 0, 1, factory, 0, 2)
     # The persistent compilation cache: 5 workers, one program.
-    assert w.setup(None, os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache"))["per_host"] is True
+    assert w.setup(None, work_path("xla-cache"))["per_host"] is True
     return w
 
 

@@ -9,7 +9,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
 
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -21,10 +20,11 @@ from examples.lm import LMConfig, make_program, sharded_layout  # noqa: E402
 from ray_elastic.checkpoint.state_forms import FlatState  # noqa: E402
 from ray_elastic.layout import Layout  # noqa: E402
 from ray_elastic.worker.actor import SliceWorker  # noqa: E402
+from ray_elastic.paths import work_path  # noqa: E402
 
 layout = Layout() if sys.argv[1] == "replicated" else sharded_layout(sys.argv[1])
 w = SliceWorker(0, 0, 1, functools.partial(make_program, LMConfig(), layout), 0, 2)
-w.setup(None, os.path.join(tempfile.gettempdir(), "ray_elastic", "xla-cache"))
+w.setup(None, work_path("xla-cache"))
 
 
 def step(k, snapshot=False):
