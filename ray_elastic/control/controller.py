@@ -148,7 +148,10 @@ class Controller:
                 load_timeout_s=max(30.0, self.config.first_step_deadline_s),
             )
             self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name, self._event, self._clock)
-            wanted = lambda s: self._saves.due(s) or self._checks.keep_state(s, len(self.members.live))  # noqa: E731
+            def wanted(s: int):  # why a snapshot the schedule did not ask for is needed, if it is
+                if self._saves.due(s):
+                    return "checkpoint"
+                return "cross_check" if self._checks.keep_state(s, len(self.members.live)) else None
             self._snapshotting = Snapshotting(self.config, self._snapshots, wanted, self._event, self._clock())
             self._start()
             if self._ckpt:

@@ -55,7 +55,8 @@ def young_daly_steps(cost_s: float, mtbf_s: float, step_s: float) -> int:
 @dataclasses.dataclass(frozen=True)
 class SnapshotCost:
     """One snapshot's measured cost: of `step`, `step_path_s` the time the
-    steps it overlapped took over the median step, over `steps` steps."""
+    steps it overlapped took over the median step (at least 0), over
+    `steps` steps."""
 
     step: int
     step_path_s: float
@@ -84,17 +85,28 @@ class SnapshotSchedule:
     def due(self, step: int, live: int) -> bool:
         """Whether the state of `step` (the step about to complete) is
         snapshotted, with `live` slices."""
+        return self.reason(step, live) is not None
+
+    def reason(self, step: int, live: int) -> Optional[str]:
+        """Why the state of `step` is snapshotted with `live` slices:
+        "probe" (the first, measuring the cost), "schedule", or None (not
+        due)."""
         if not self.every_one:
-            return False
+            return None
         if live < 2:
-            return step % self.every_one == 0
+            return "schedule" if step % self.every_one == 0 else None
         if not self.auto:
-            return step % self.fixed == 0
+            return "schedule" if step % self.fixed == 0 else None
         if self._open is not None:  # one is still being measured
-            return False
+            return None
         if not self._costs:  # none measured yet (or the probe's measurement was cut short)
-            return step >= self._probe_at
-        return step >= self._last + self.gap()
+            return "probe" if step >= self._probe_at else None
+        return "schedule" if step >= self._last + self.gap() else None
+
+    def next_at(self) -> Optional[int]:
+        """The step the next snapshot with two or more live slices is due
+        (None before the first)."""
+        return None if self._last is None else self._last + self.gap()
 
     def gap(self) -> int:
         """The steps from the last snapshot to the next with two or more
@@ -155,10 +167,13 @@ class SnapshotSchedule:
             self._open = (at, excess, n)
             return None
         self._open = None
-        self._costs.append(max(0.0, excess))
+        # Steps beside the snapshot that ran faster than the median are
+        # noise, not a gain: the cost is never below zero.
+        cost = max(0.0, excess)
+        self._costs.append(cost)
         self._overlapped = n
         self._chosen = self.interval()
-        return SnapshotCost(at, round(excess, 4), n)
+        return SnapshotCost(at, round(cost, 4), n)
 
     def all_lost(self, now: float) -> None:
         """Every slice was lost at once: the rate the interval guards against."""

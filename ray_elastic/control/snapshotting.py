@@ -4,18 +4,29 @@ cross-check's tie-break needs: `wanted`), handing their
 copies to the store, and a `snapshot` event per snapshot measured.
 
 The event (and the run report's `snapshots`) gives, per snapshot taken
-while two or more slices were live: its step, bytes per host, seconds
-from its step's end to sealed (off the step's path), the workers' CPU
-seconds making its host views, `step_path_s` (what the steps it
-overlapped took over the median step: its cost to the run), the interval
-then chosen (the steps to the next snapshot: more than Young-Daly's when
-sealing took longer) and `max_redo_steps`: at most how many steps a loss of every
-slice would redo.
+while two or more slices were live:
+
+- `step`, and `reason`: why it was taken then: `schedule` (the interval
+  below; `probe` for the first, which measures the cost), `checkpoint` (a
+  durable save of that step reads it) or `cross_check` (a gradient
+  cross-check's tie-break would compute from that state);
+- `bytes_per_host`, `seal_s` (from its step's end to sealed, off the
+  step's path), `views_cpu_s` (the workers' CPU seconds making its host
+  views);
+- `step_path_s`: what the steps it overlapped took over the median step,
+  its cost to the run; never below 0 (steps that ran faster than the
+  median beside it are noise, not a gain);
+- `interval`: the steps between two scheduled snapshots as chosen now
+  (Young-Daly's, or more when sealing took longer), and `next_at`: the
+  step the next scheduled one is due, counted from the newest snapshot of
+  any reason (each one guards against a loss of every slice alike);
+- `max_redo_steps`: at most how many steps a loss of every slice would
+  redo.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 from ray_elastic.checkpoint.snapshots import SnapshotRecord, SnapshotStore
 from ray_elastic.config import ElasticConfig
@@ -25,7 +36,7 @@ __all__ = ["Snapshotting"]
 
 
 class Snapshotting:
-    def __init__(self, config: ElasticConfig, store: SnapshotStore, wanted: Callable[[int], bool],
+    def __init__(self, config: ElasticConfig, store: SnapshotStore, wanted: Callable[[int], Optional[str]],
                  event: Callable[..., None], now: float):
         self.store = store
         self.schedule = SnapshotSchedule(config.snapshot_every, config.snapshot_every_replicated,
@@ -33,6 +44,7 @@ class Snapshotting:
         self._wanted, self._event = wanted, event
         self._sealed: dict[int, SnapshotRecord] = {}
         self._decided = -1  # the newest step a snapshot was decided for
+        self._reasons: dict[int, str] = {}  # step -> why its snapshot was taken (until its event)
         self.pin_wait_s = 0.0  # steps' waits for a pinned copy (one live slice, replicated)
 
     def takers(self, step: int, live: set) -> frozenset:
@@ -41,8 +53,11 @@ class Snapshotting:
         for the same step (a step finished on the survivors), it takes the
         snapshot decided then, from the slices live now."""
         again = self._decided == step
-        if not again and not (self.schedule.due(step, len(live)) or self._wanted(step)):
-            return frozenset()
+        if not again:
+            reason = self.schedule.reason(step, len(live)) or self._wanted(step)
+            if not reason:
+                return frozenset()
+            self._reasons[step] = reason
         takers = sorted(live)[:2]
         self.store.expect(step, len(takers))
         if not again:
@@ -71,11 +86,15 @@ class Snapshotting:
         record = self._sealed.pop(cost.step, None)
         self._sealed = {k: v for k, v in self._sealed.items() if k > cost.step}
         interval = self.schedule.gap()
-        self._event("snapshot", step=cost.step, step_path_s=cost.step_path_s, steps_overlapped=cost.steps,
+        reason = self._reasons.pop(cost.step, "schedule")
+        self._reasons = {k: v for k, v in self._reasons.items() if k > cost.step}
+        self._event("snapshot", step=cost.step, reason=reason, step_path_s=cost.step_path_s,
+                    steps_overlapped=cost.steps,
                     **({} if record is None else {"bytes_per_host": record.bytes_per_host,
                                                   "seal_s": round(record.seal_s, 4),
                                                   "views_cpu_s": round(record.views_cpu_s, 4)}),
-                    interval=interval, max_redo_steps=interval + cost.steps,
+                    interval=interval, next_at=self.schedule.next_at(),
+                    max_redo_steps=interval + cost.steps,
                     mtbf_s=round(self.schedule.mtbf_s(), 1))
 
     def all_lost(self, now: float) -> None:
