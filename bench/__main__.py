@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -42,7 +42,11 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   the steps the report said it would redo;
 - integrity: the state checks' cost (every step against off, alternated,
   small and large models) and a bit flipped in one slice's state: found at
-  which step, the slice named, the steps rolled back, bitwise equal.
+  which step, the slice named, the steps rolled back, bitwise equal;
+- falsealarms: every demo command the README and docs give (each example,
+  layout and policy, with and without spares), no fault injected,
+  alternated: failures per run (all must be 0) and the step times' median,
+  mean and p99 (`--steps`, default 200; `--runs`; `--variants`).
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
-                                                                     "contract", "data", "snapshots", "integrity"))
+                                                                     "contract", "data", "snapshots", "integrity",
+                                                                     "falsealarms"))
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
@@ -125,6 +130,20 @@ def main(argv=None) -> int:
         print(text)
         write_result(args.out, "core", result, text)
         return 0
+
+    if args.suite == "falsealarms":
+        from bench import falsealarms
+
+        variants = args.variants or list(falsealarms.COMMANDS)
+        bad = [v for v in variants if v not in falsealarms.COMMANDS]
+        if bad:
+            parser.error(f"unknown variant(s) {bad}; choose from {', '.join(falsealarms.COMMANDS)}")
+        result = falsealarms.run(steps=args.steps or (40 if args.quick else 200), runs=args.runs or 1,
+                                 variants=variants)
+        text = falsealarms.table(result)
+        print(text)
+        write_result(args.out, "falsealarms", result, text)
+        return 0 if result["false_failures"] == 0 else 1
 
     if args.suite == "ready":
         from bench import ready

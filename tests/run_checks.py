@@ -1,5 +1,5 @@
-"""Helpers the end-to-end tests share: bitwise state equality and the
-events of a run report by name."""
+"""Helpers the end-to-end tests share: bitwise state equality, the events
+of a run report by name, and a failure-free run's empty failure list."""
 
 from __future__ import annotations
 
@@ -21,3 +21,18 @@ def assert_same_state(a: dict, b: dict, step: Optional[int] = None) -> None:
 
 def events(report, name: str) -> list[dict]:
     return [e for e in report.events if e["event"] == name]
+
+
+def failures_of(report) -> list[tuple]:
+    """A report's failures as (kind, slice, host, step, cause): a RunReport,
+    or its JSON form (a dict, as `RunReport.to_dict` or a driver writes it)."""
+    if isinstance(report, dict):
+        return [(f["kind"], f["slice"], f["host"], f["step"], f.get("cause", "")) for f in report["failures"]]
+    return [(f.kind, f.slice, f.host, f.step, f.cause) for f in report.failures]
+
+
+def assert_no_failures(report) -> None:
+    """A run with no fault injected recorded no failure: one that recovered
+    (a phantom hang, a worker lost to the machine) would otherwise pass."""
+    failures = failures_of(report)
+    assert not failures, failures

@@ -17,6 +17,9 @@ def test_sharded_bench_quick(cluster, tmp_path):
     from bench import sharded
 
     result = sharded.run(cluster, quick=True, steps=5, log=lambda _: None)
+    # Its runs are failure-free: one that recorded a failure raised and was
+    # run again (bench/sharded.py), which must not hide it.
+    assert not [r for r in result["retries"] if "FailureRecord(" in r["error"]], result["retries"]
     files = sharded.write(result, str(tmp_path))
     text = sharded.table(result)
     assert "Worker peak RSS" in text and (tmp_path / "sharded.json").exists() and files["md"]

@@ -17,6 +17,7 @@ import pytest
 
 from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer
 from ray_elastic.checkpoint import CheckpointStore, refresh_listings
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -32,7 +33,7 @@ def reference(cluster, lm_factory):
     """Failure-free, checkpoint-free run of 16 steps (pause, 2 slices)."""
     cluster.ensure_nodes(2)  # an earlier module may have left fewer
     t = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), 16, keep_final_state=True)
-    t.fit()
+    assert_no_failures(t.fit())
     return t.final_state
 
 
@@ -63,6 +64,7 @@ def test_cold_start_skips_damaged_newest_step(storage, nodes, lm_factory, refere
     nodes(2)
     first = _trainer(lm_factory, 10, path).fit()
     assert first.steps_completed == 10
+    assert_no_failures(first)
     committed = CheckpointStore(path).committed_steps()
     assert committed[-1] == 10 and len(committed) >= 2, committed  # a periodic save may be skipped while one is in flight
     before = committed[-2]

@@ -18,6 +18,7 @@ import ray
 from ray_elastic import CheckpointConfig, ConfigError, ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.callbacks import FunctionCallback
 from ray_elastic.checkpoint import CheckpointStore, refresh_listings
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -41,7 +42,7 @@ def reference(cluster, lm_factory):
     """Failure-free, checkpoint-free run of 16 steps (pause, 2 slices)."""
     cluster.ensure_nodes(2)  # an earlier module may have left fewer
     t = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), 16, keep_final_state=True)
-    t.fit()
+    assert_no_failures(t.fit())
     return t.final_state
 
 
@@ -72,11 +73,13 @@ def test_cold_start_after_cluster_torn_down(storage, nodes, lm_factory, referenc
     )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "EXIT completed" in out.stdout
+    assert_no_failures(json.loads((tmp_path / "r1.json").read_text()))
     assert CheckpointStore(path).latest_committed() == 10
 
     nodes(2)
     trainer = _trainer(lm_factory, 16, path, save_every=4)
     report = trainer.fit()
+    assert_no_failures(report)
     assert report.resumed_from == 10
     assert report.steps_completed == 16
     assert any(e["event"] == "restore" and e.get("cold_start") for e in report.events)
@@ -271,7 +274,7 @@ def test_bucket_missing_fails_before_reserving(cluster, lm_factory, gcs):
 def test_checkpoint_from_other_seed_is_refused(nodes, lm_factory, tmp_path):
     nodes(2)
     path = str(tmp_path / "ck")
-    _trainer(lm_factory, 4, path, save_every=2).fit()
+    assert_no_failures(_trainer(lm_factory, 4, path, save_every=2).fit())
     other = ElasticConfig(num_slices=2, policy="pause", seed=7)
     with pytest.raises(ConfigError, match="seed"):
         _trainer(lm_factory, 8, path, config=other).fit()

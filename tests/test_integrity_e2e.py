@@ -14,7 +14,7 @@ import pytest
 
 from ray_elastic import Callback, CpuSlice, ElasticConfig, ElasticTrainer, Fault
 
-from tests.run_checks import assert_same_state, events
+from tests.run_checks import assert_no_failures, assert_same_state, events
 
 pytestmark = pytest.mark.cluster
 
@@ -257,7 +257,8 @@ def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
     nodes(3)
     config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=2),
                            state_check_every=1)
-    ref, _ = _run(lm_factory, config)
+    ref, ref_report = _run(lm_factory, config)
+    assert_no_failures(ref_report)
     trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
     [diverged] = events(report, "diverged")
     assert diverged["named"] == [[1, 0]] and "devices hold different bits" in diverged["detail"]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from ray_elastic import CheckpointConfig, ConfigError, ElasticConfig, ElasticTrainer
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -32,6 +33,7 @@ def saved_run(cluster, tmp_path_factory):
                              keep_final_state=True, checkpoint=CheckpointConfig(path, save_every=0))
     report = trainer.fit()
     assert report.steps_completed == STEPS
+    assert_no_failures(report)
     return path, trainer.final_state, report
 
 
@@ -50,7 +52,9 @@ def _fine_tune(source):
 
     factory = functools.partial(lm.make_program, lm.LMConfig(), lm.Layout(), source)
     trainer = ElasticTrainer(factory, _config(), STEPS, keep_final_state=True)
-    return trainer, trainer.fit()
+    report = trainer.fit()
+    assert_no_failures(report)
+    return trainer, report
 
 
 def test_fine_tuning_starts_from_the_saved_params(cluster, saved_run, tmp_path):

@@ -33,6 +33,7 @@ import pytest
 
 from ray_elastic import CheckpointConfig, CpuSlice, ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.checkpoint import CheckpointStore
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -192,7 +193,9 @@ def test_two_slices_that_differ_are_told_apart_by_their_replays(shape, nodes):
     config = _config(hosts, devices, policy="resize", min_slices=1, state_check_every=1, snapshot_every=1,
                      snapshot_every_replicated=1)
     ref = ElasticTrainer(_factory(layout), config, STEPS, keep_final_state=True)
-    assert ref.fit().steps_completed == STEPS
+    ref_report = ref.fit()
+    assert ref_report.steps_completed == STEPS
+    assert_no_failures(ref_report)
     faults = (Fault("corrupt", 1, CORRUPT_AT, host=hosts - 1, target="state"),)
     trainer = ElasticTrainer(_factory(layout), config, STEPS, faults=faults, keep_final_state=True)
     report = trainer.fit()

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ray_elastic import Callback, CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -194,6 +195,7 @@ def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_fac
                              checkpoint=CheckpointConfig(sharded_checkpoint, save_every=0, save_at_end=False))
     report = resumed.fit()
     assert report.steps_completed == STEPS
+    assert_no_failures(report)
     assert [e for e in report.events if e["event"] == "restore"][0]["step"] == CKPT_AT
     np.testing.assert_allclose(report.losses[CKPT_AT:], baseline["losses"][CKPT_AT:], rtol=1e-5)
 

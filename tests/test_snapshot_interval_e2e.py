@@ -11,7 +11,7 @@ import pytest
 
 from ray_elastic import ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.control.snapshot_schedule import PROBE_STEP
-from tests.run_checks import assert_same_state
+from tests.run_checks import assert_no_failures, assert_same_state
 
 pytestmark = pytest.mark.cluster
 
@@ -30,6 +30,7 @@ def test_every_slice_lost_redoes_at_most_the_stated_steps(nodes, lm_factory):
     config = ElasticConfig(num_slices=2, policy="pause", all_slices_mtbf_s=MTBF_S)
     assert config.snapshot_every_replicated == "auto"
     ref, ref_report = _run(lm_factory, config)
+    assert_no_failures(ref_report)
     snaps = ref_report.snapshots
     assert snaps, "no snapshot measured"
     assert snaps[0]["step"] == PROBE_STEP

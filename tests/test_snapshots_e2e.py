@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -42,7 +43,9 @@ def two_slice_ref(cluster, lm_factory):
     """A failure-free run on 2 one-host slices: the reference of the tests
     below (snapshot settings and slice shapes change no value)."""
     cluster.ensure_nodes(2)
-    return _run(lm_factory, ElasticConfig(num_slices=2, policy="pause"))
+    ref, report = _run(lm_factory, ElasticConfig(num_slices=2, policy="pause"))
+    assert_no_failures(report)
+    return ref, report
 
 
 def test_every_worker_lost_restores_from_snapshot_on_surviving_node(nodes, lm_factory, two_slice_ref):
@@ -81,7 +84,8 @@ def test_single_slice_node_lost_restores_driver_pinned_copy(nodes, lm_factory):
     slice's only node must not lose the snapshot."""
     cluster = nodes(1)
     config = ElasticConfig(num_slices=1, policy="pause")
-    ref, _ = _run(lm_factory, config)
+    ref, ref_report = _run(lm_factory, config)
+    assert_no_failures(ref_report)
 
     def on_event(e):
         if e["event"] == "wait":

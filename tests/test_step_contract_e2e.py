@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -316,7 +317,9 @@ def test_microbatches_compute_the_same_steps(cluster):
         config = ElasticConfig(num_slices=2, batch_shards=SHARDS, policy="pause", timeout_s=120.0,
                                slice=CpuSlice(hosts=1, devices_per_host=2))
         trainer = ElasticTrainer(factory, config, 8, keep_final_state=True)
-        runs.append((trainer.fit(), trainer.final_state))
+        report = trainer.fit()
+        assert_no_failures(report)
+        runs.append((report, trainer.final_state))
     (plain, a), (micro, b) = runs
     np.testing.assert_allclose(micro.losses, plain.losses, rtol=LOSS_RTOL)
     kept = _leaves_without_zero_gradient()
@@ -384,6 +387,7 @@ def test_skip_nonfinite_keeps_training_past_non_finite_steps(cluster):
                              keep_final_state=True)
     report = trainer.fit()
     assert report.steps_completed == 6
+    assert_no_failures(report)
     # Step 1's loss is ~1.6e15 and the gradient of the shards' summed losses is not finite:
     # that update is skipped, and so is every later one alike.
     assert report.losses[1] > 1e12 and report.losses[-1] > 1e12, report.losses
@@ -408,11 +412,14 @@ def test_cnn_resumes_from_a_checkpoint_with_its_batch_stats(cluster, cnn_factory
     path = str(tmp_path / "ckpt")
     first = ElasticTrainer(cnn_factory, _config(hosts=1, policy="pause"), 6,
                            checkpoint=CheckpointConfig(path, save_every=0))
-    assert first.fit().steps_completed == 6
+    first_report = first.fit()
+    assert first_report.steps_completed == 6
+    assert_no_failures(first_report)
     resumed = ElasticTrainer(cnn_factory, _config(hosts=1, policy="pause", num_slices=slices), CNN_STEPS,
                              keep_final_state=True, checkpoint=CheckpointConfig(path, save_every=0, save_at_end=False))
     report = resumed.fit()
     assert report.resumed_from == 6
+    assert_no_failures(report)
     assert report.losses[6:] == base.losses[6:]
     a, b = resumed.final_state, base_trainer.final_state
     assert jax.tree.structure(a["opt_state"]) == jax.tree.structure(b["opt_state"])
