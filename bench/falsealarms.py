@@ -61,6 +61,9 @@ def one_run(name: str, steps: int, work: str, timeout_s: float) -> dict:
     return {
         "name": name, "rc": rc, "wall_s": wall, "steps": r["steps_completed"], "outcome": r["outcome"],
         "failures": [{k: f[k] for k in ("kind", "slice", "host", "step", "cause")} for f in r["failures"]],
+        # Gradient checks whose only odd print was the checker's, not
+        # repeated (control/tie_break.py): no failure, but counted here.
+        "dismissed_checks": sum(1 for e in r["events"] if e["event"] == "tie_break" and e.get("dismissed")),
         "median_s": statistics.median(times) if times else None,
         "mean_s": statistics.fmean(times) if times else None,
         "p99_s": _p99(times),
@@ -101,8 +104,9 @@ def _fmt(v) -> str:
 def table(result: dict) -> str:
     lines = [f"No fault injected, {result['steps']} steps per run, {result['runs']} run(s) per command "
              "(alternated); step times over the steps after the first.", "",
-             "| command | failures per run | median step (s) | mean step (s) | p99 step (s) | goodput |",
-             "|---|---|---|---|---|---|"]
+             "| command | failures per run | dismissed checks | median step (s) | mean step (s) | p99 step (s) "
+             "| goodput |",
+             "|---|---|---|---|---|---|---|"]
     by_name: dict = {}
     for row in result["rows"]:
         by_name.setdefault(row["name"], []).append(row)
@@ -113,7 +117,8 @@ def table(result: dict) -> str:
         p99 = max([r["p99_s"] for r in rows if r.get("p99_s") is not None] or [float("nan")])
         good = statistics.median([r["goodput"] for r in rows if r.get("goodput") is not None] or [float("nan")])
         fails = ", ".join(str(_count(r)) for r in rows)
-        lines.append(f"| `{name}`: {opts} | {fails} | {med:.3f} | {mean:.3f} | {p99:.3f} | {good:.2f} |")
+        dismissed = sum(r.get("dismissed_checks", 0) for r in rows)
+        lines.append(f"| `{name}`: {opts} | {fails} | {dismissed} | {med:.3f} | {mean:.3f} | {p99:.3f} | {good:.2f} |")
     failed = [(r["name"], f) for r in result["rows"] for f in (r["failures"] or [])]
     lines += ["", f"False failures in all: {result['false_failures']}"]
     for name, f in failed:

@@ -275,3 +275,39 @@ def test_the_known_answer_names_no_one_when_both_or_neither_make_it_or_it_is_gon
     backend = StepBackend({(0, 9): [66], (1, 9): [66]})
     got = settle_grads(GRAD_FOUND, CHECK, prints, KeptSnapshots(), backend, [], lambda *a, **f: None, known=KNOWN)
     assert got.named == ((0, 0),) and all(step == 9 for _, step, _ in backend.recomputed)
+
+
+class RetakeBackend(GradBackend):
+    """GradBackend whose steps are recorded (a step after the recomputes
+    takes the slices back to the run's state)."""
+
+    def run_step(self, step, slices, assignment, takers, deadline_s, on_issued):
+        self.steps.append((step, tuple(slices), dict(assignment)))
+
+
+def test_a_checker_whose_first_computation_is_not_repeated_evicts_no_one():
+    # The owner (slice 0) applied 21; the checker (slice 1) printed 66
+    # once; computing again from the check step's state both make 21.
+    events = []
+    backend = RetakeBackend({0: [21], 1: [21]})
+    got = settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [],
+                       lambda name, **f: events.append((name, f)), clock=_clock(), shards=4)
+    assert got is None  # no divergence: nothing wrong entered the state, no slice is shown faulty
+    # The slices were loaded with the check step's state, then took step 9 again: back at step 10.
+    assert backend.loads == [([0], "snap@9"), ([1], "snap@9")]
+    assert backend.steps == [(9, (0, 1), {0: (0, 2), 1: (1, 3)})]
+    [(name, f)] = events
+    assert name == "tie_break" and f["named"] == [] and f["retaken"] is True and "not repeated" in f["dismissed"]
+    # Taking the step again failed: the run rolls back as for an unnamed divergence.
+    backend = RetakeBackend({0: [21], 1: [21]}, fail=())
+
+    def broken(*a, **k):
+        raise RuntimeError("lost")
+
+    backend.run_step = broken
+    assert settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [],
+                        lambda *a, **f: None, shards=4) == GRAD_FOUND
+    # The owner's gradient, the one applied, is the one not repeated: named, as before.
+    backend = RetakeBackend({0: [66], 1: [66]})
+    assert settle_grads(GRAD_FOUND, CHECK, {0: {0: 21}, 1: {0: 66}}, GradSnapshots(), backend, [],
+                        lambda *a, **f: None, shards=4).named == ((0, 0),)

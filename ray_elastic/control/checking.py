@@ -76,7 +76,8 @@ class Checks:
             if found is not None and not found.named and backend is not None and self.state.every \
                     and self.state.verified >= issued[0].step:
                 found = settle_grads(found, issued[0], prints, snapshots, backend, spares, self._event,
-                                     wait_s=max(60.0, 2 * deadline_s), known=self.grads.agreed)
+                                     wait_s=max(60.0, 2 * deadline_s), known=self.grads.agreed,
+                                     shards=self._config.shards)
         live = {s for s, _ in metrics}
         verified = self.state.verified if self.state.every else step
         snapshots.verified_through(min(verified, self.grads.floor(live)) if self.grads.every else verified)

@@ -136,7 +136,8 @@ def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots
 
 def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int]], snapshots, backend,
                  spares: Sequence[int], event: Callable[..., None], clock: Callable[[], float] = time.monotonic,
-                 wait_s: float = _REPLAY_BASE_S, known: Optional[tuple] = None) -> Divergence:
+                 wait_s: float = _REPLAY_BASE_S, known: Optional[tuple] = None,
+                 shards: int = 0) -> Optional[Divergence]:
     """Try to name the slice behind an unnamed cross-check mismatch
     between two slices (`check`, a CrossCheck; `prints`: each slice's
     {host: fingerprint} of the shard's gradient): the spare, or else each
@@ -147,7 +148,10 @@ def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int
     (the newest verified snapshot) and computes its shard again, and the
     one that no longer makes the agreed gradient is named. `found` as it
     was when the snapshots are gone (a `tie_break` event says how it
-    went)."""
+    went). None (no divergence) when the two, computing again, both make
+    the gradient the step applied and only the checker's first print
+    stands apart: nothing wrong entered the state, and one computation
+    not repeated names no slice (`_checker_not_repeated`)."""
     original = {s: dict(p) for s, p in prints.items() if p}
     if found.named or len(original) != 2:
         return found
@@ -160,6 +164,16 @@ def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int
     t0 = clock()
     slices = [spare] if spare is not None else sorted(original)
     again = _recompute(backend, slices, got[1], check.step, check.shard, wait_s)
+    if spare is None and _checker_not_repeated(check, original, again):
+        # The slices now hold the check step's state: the steps since are
+        # taken again (the same bits: a step is a deterministic function
+        # of its state, step and shards); if that fails, the run rolls
+        # back as after any divergence no slice is named for.
+        back = _retake(backend, slices, check.step, found.step, shards, wait_s)
+        event("tie_break", step=check.step, of="gradient", shard=check.shard, by="replay", slices=slices,
+              named=[], dismissed="the checker's first computation was not repeated; both slices computed the "
+              "gradient the step applied again", retaken=back, seconds=round(clock() - t0, 3))
+        return None if back else found
     settled = judge(found, original, again, spare, redo="computed it again", made="gradient")
     fields = {"by": "spare" if spare is not None else "replay", "slices": sorted(again) if spare is None else [spare]}
     if (not settled.named and spare is None and known is not None and known[0].step < check.step
@@ -169,6 +183,38 @@ def settle_grads(found: Divergence, check, prints: Mapping[int, Mapping[int, int
     event("tie_break", step=check.step, of="gradient", shard=check.shard, **fields,
           named=[list(k) for k in settled.named], seconds=round(clock() - t0, 3))
     return settled
+
+
+def _checker_not_repeated(check, original: Mapping[int, Mapping], again: Mapping[int, Mapping]) -> bool:
+    """Whether only the checker's first computation stands apart: both
+    slices, from the check step's state, computed again the owner's
+    gradient (the one the step applied) and the checker did not make its
+    own first print again. Nothing wrong entered the state, and no chip is
+    shown to compute wrong: one computation that was not repeated is no
+    evidence to evict a slice on (a lasting fault shows again at the
+    next check)."""
+    owner, checkers = check.owner, [s for s in original if s != check.owner]
+    if owner not in original or len(checkers) != 1 or set(again) != set(original):
+        return False
+    [checker] = checkers
+    return again[owner] == original[owner] == again[checker] != original[checker]
+
+
+def _retake(backend, slices: Sequence[int], start: int, end: int, shards: int, wait_s: float) -> bool:
+    """Take steps `start` .. `end` - 1 again on `slices` (which hold the
+    state of `start`), every shard assigned round robin; whether all
+    were taken."""
+    if shards < 1:
+        return False
+    assignment = {s: tuple(range(i, shards, len(slices))) for i, s in enumerate(slices)}
+    try:
+        for k in range(start, end):
+            backend.run_step(k, list(slices), assignment, frozenset(), wait_s, _no_phase)
+    except Exception:  # lost or failed: the rollback to the verified state follows
+        for s in slices:
+            _settle_calls(backend, s, end)
+        return False
+    return True
 
 
 def _recompute(backend, slices: Sequence[int], source, step: int, shard: int, wait_s: float) -> dict:
