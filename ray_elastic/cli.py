@@ -369,7 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt("--slow-ms", type=int, default=1000, help="with --fault slow: milliseconds added per step (default: %(default)s)")
     opt("--corrupt", choices=CORRUPT_TARGETS, default="state",
         help="with --fault corrupt: what flips, state (the state its next apply makes, on one device) or grads "
-             "(the next gradient it sends); with +, at every step from then on (default: %(default)s)")
+             "(the next gradient it sends); with +, at every step from then on; check: its next gradient "
+             "cross-check computation only, once (default: %(default)s)")
     add_debug_option(demo, default=argparse.SUPPRESS)
     ck = sub.add_parser("checkpoints", help="list a run's checkpoint steps, committed or not")
     ck.add_argument("path", help="checkpoint.path: a folder or gs://bucket/prefix")

@@ -226,6 +226,25 @@ def test_without_a_spare_a_gradient_flipped_once_is_told_apart_by_computing_it_a
     assert_same_state(trainer.final_state, ref2.final_state, STEPS)
 
 
+def test_a_checker_glitch_that_is_not_repeated_evicts_no_one(nodes, lm_factory, ref2):
+    """Two slices, no spare: slice 1's computation for the cross-check of
+    step 9 (slice 0's shard) flips a bit once; no step applies it. Both
+    slices, computing the shard again from step 9's state, make the
+    gradient slice 0 sent, so nothing wrong entered the state and no chip
+    is shown faulty: no failure, no rollback, the step since taken again,
+    the end bitwise equal."""
+    nodes(3)
+    config = ElasticConfig(num_slices=2, policy="pause", timeout_s=120.0, grad_check_every=3, state_check_every=3)
+    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, 7, target="check"),))
+    [tie] = events(report, "tie_break")
+    assert (tie["of"], tie["step"], tie["by"], tie["named"], tie["retaken"]) == ("gradient", 9, "replay", [], True), tie
+    assert "not repeated" in tie["dismissed"]
+    assert_no_failures(report)
+    assert not events(report, "diverged") and not events(report, "restore") and not events(report, "rewind")
+    assert report.steps_completed == STEPS
+    assert_same_state(trainer.final_state, ref2.final_state, STEPS)
+
+
 def test_without_a_spare_a_lasting_gradient_fault_is_named_by_the_known_answer(nodes, lm_factory, ref2):
     """Two slices, no spare, slice 1 computing every gradient wrong from
     step 7 on: the cross-check of step 9 disagrees, and each slice, loading

@@ -21,8 +21,10 @@ __all__ = ["CORRUPT_TARGETS", "Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PH
 
 FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt")
 # What a `corrupt` fault flips a bit of: the state the apply makes (on one
-# device), or a gradient the slice sends; "+": at every step from then on.
-CORRUPT_TARGETS = ("state", "grads", "state+", "grads+")
+# device), or a gradient the slice sends; "+": at every step from then on;
+# "check": the slice's next cross-check computation only (a glitch in a
+# gradient no step applies).
+CORRUPT_TARGETS = ("state", "grads", "state+", "grads+", "check")
 # The moments of a step a fault can hit: once its gradient calls are in
 # flight; once every gradient is in, before the reduction tree is gathered;
 # once the sum is made, as the applies are issued (StepRunner.run). With
@@ -42,7 +44,8 @@ class Fault:
     from then on (a straggler: alive and answering, only slow).
     corrupt: the worker flips one bit of its `target` (CORRUPT_TARGETS): the
     state its next apply makes, or the next gradient it sends; with "+",
-    at every step from then on (silent data corruption: it answers, wrong).
+    at every step from then on (silent data corruption: it answers, wrong);
+    "check": its next gradient cross-check computation, once.
     `phase`: the moment of the step it fires at (FAULT_PHASES).
     """
 

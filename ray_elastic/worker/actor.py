@@ -305,7 +305,8 @@ class SliceWorker:
 
     def corrupt(self, target: str, lasting: bool) -> None:
         """A `corrupt` fault (failures/faults.py): flip one bit of the
-        next apply's new state on one device ("state"), or of the next
-        gradient sent ("grads"); `lasting`: at every step from then on,
-        as a chip gone bad would."""
+        next apply's new state on one device ("state"), of the next
+        gradient sent ("grads"), or of the next cross-check's computation
+        ("check"); `lasting`: at every step from then on, as a chip gone
+        bad would."""
         self._steps.corrupt = (target, lasting)

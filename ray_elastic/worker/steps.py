@@ -142,7 +142,7 @@ class SliceSteps:
         if not (layout.sharded or self._host == 0):
             return None
         payload = local_blocks(jax.tree.leaves(g)) if layout.sharded else jax.tree.map(_host_value, g)
-        if self.corrupt is not None and self.corrupt == ("grads", True):  # a chip gone bad computes this wrong too
+        if self.corrupt == ("grads", True) or self._corrupting("check"):  # a chip gone bad computes this wrong too
             payload = flip_payload_bit(payload)
         return host_fingerprint(payload)
 
