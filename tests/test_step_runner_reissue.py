@@ -256,3 +256,32 @@ def test_after_a_failure_the_reissued_apply_is_the_one_waited_for(runner):
     runner.settle_applies(timeout_s=1.0, slices={0, 1, 2})
     assert len(waited) == 3
     assert all(r.error is None for r in waited)  # the first try (its error) is not among them
+
+
+def test_a_slices_gradient_calls_wait_for_its_check_on_every_host(runner):
+    """A cross-check's recomputations on a slice (run_first) are
+    arguments of each of that slice's gradient calls of the step, on every
+    host: Ray then runs the check first everywhere, and the hosts' programs
+    pair their collectives in one order. Other slices and steps take none."""
+    calls: list = []
+    live = {s: LiveSlice(s, [_Worker(s, set(), calls, h) for h in range(2)],
+                         [{"node_id": f"node-{s}-{h}", "pid": 10 * s + h, "ip": ""} for h in range(2)])
+            for s in range(2)}
+    seen: dict = {}
+    for s in live:
+        for h, w in enumerate(live[s].workers):
+            real = w._grads
+
+            def grads(k, shards, *after, s=s, h=h, real=real):
+                seen[(k, s, h)] = after
+                return real(k, shards)
+
+            w.compute_grads = _Method(grads)
+    checks = [Ref(111), Ref(222)]  # slice 1's hosts' recompute calls
+    runner.run_first(4, 1, checks)
+    runner.run_first(2, 0, [Ref(9)])  # an older step's: forgotten
+    runner.run(4, live, {0: (0,), 1: (1,)}, frozenset(), deadline_s=5.0)
+    assert seen[(4, 1, 0)] == tuple(checks) and seen[(4, 1, 1)] == tuple(checks)
+    assert seen[(4, 0, 0)] == () and seen[(4, 0, 1)] == ()
+    runner.run(5, live, {0: (0,), 1: (1,)}, frozenset(), deadline_s=5.0)
+    assert all(seen[(5, s, h)] == () for s in live for h in range(2))

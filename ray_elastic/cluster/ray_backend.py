@@ -20,11 +20,16 @@ from ray_elastic.dispatch.assignment import leader_ranges
 from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
+from ray_elastic.dispatch.calls import Deadline
 from ray_elastic.dispatch.step_runner import StepResult, StepRunner
 
 __all__ = ["RayBackend", "connect"]
 
 log = logging.getLogger("ray_elastic")
+
+# Seconds a cross-check's recomputations may take before a step under
+# group leaders is issued anyway (the check then finds the call missed).
+_CHECK_FIRST_S = 120.0
 
 
 def connect() -> None:
@@ -51,6 +56,7 @@ class RayBackend:
         probe = RayProbe()
         beats = probe.heartbeats(clock, heartbeat_timeout_s) if heartbeat_timeout_s > 0 else None
         self.locator = FailureLocator(probe, clock, sleep, heartbeats=beats)
+        self._clock = clock
         self.runner = StepRunner(self.locator, clock)
         # With group leaders: the shard ranges the slices' groups compute
         # (assign_shards), and the runner that calls the leaders.
@@ -134,9 +140,16 @@ class RayBackend:
         ray.get(worker.corrupt.options(concurrency_group="control").remote(target, lasting), timeout=30.0)
 
     def recompute(self, slice_id: int, step: int, shard: int) -> list:
-        """Each host's `recompute` call (refs), on its compute thread."""
-        return [w.recompute.options(concurrency_group="compute").remote(step, shard)
+        """Each host's `recompute` call (refs), on its compute thread; the
+        slice's gradient calls of `step` wait for all of them (run_first:
+        every host runs the check's collectives before the step's)."""
+        refs = [w.recompute.options(concurrency_group="compute").remote(step, shard)
                 for w in self._up[slice_id].workers]
+        if isinstance(self.runner, StepRunner):
+            self.runner.run_first(step, slice_id, refs)
+        else:  # group leaders issue the gradient calls: the check is done first
+            ray.wait(refs, num_returns=len(refs), timeout=_CHECK_FIRST_S)
+        return refs
 
     def fingerprint(self, slice_id: int) -> list:
         return [w.fingerprint.options(concurrency_group="compute").remote() for w in self._up[slice_id].workers]
@@ -163,6 +176,12 @@ class RayBackend:
 
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         self.runner.drop_ahead()
+        if isinstance(self.runner, StepRunner):
+            # A gradient call issued ahead and still to run would run on
+            # some hosts before the load and on others after it (where it
+            # fails at once, running no collective), and the hosts of the
+            # slice would pair different programs' collectives from then on.
+            self.runner.settle_dropped(Deadline.after(self._clock(), timeout_s), self._live(slices), only=True)
         if isinstance(source, HostRestore):  # every host reads its own shards of a checkpoint
             nonce = uuid.uuid4().hex
             refs = [w.restore_checkpoint.remote(source.path, source.keep, source.step, f"{nonce}/{s}")

@@ -41,12 +41,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional, Sequence
 
 import ray
 from ray import exceptions as rex
 
 from ray_elastic.dispatch.assignment import spread_shards
+from ray_elastic.dispatch.unread import Unread
 from ray_elastic.dispatch.calls import Call, Deadline, Issued, refs_by_slice
 from ray_elastic.dispatch.tree import Part, deeper, gates, holders, refs_of
 from ray_elastic.errors import FailureKind, SliceFailure
@@ -133,6 +134,10 @@ class StepRunner:
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
         self._dropped: list = []  # (slice, status ref) of gradient calls issued ahead and dropped
+        self._first: dict[tuple[int, int], tuple] = {}  # (step, slice) -> calls its gradient calls wait for
+        # Calls given up on, read once done so that Ray does not print their
+        # errors as unhandled (unread.py).
+        self.unread = Unread(ray)
         self._applies: dict = {}  # (slice, host) -> metrics ref of the last step's apply call (its latest try)
         self._workers: dict = {}  # slice -> its workers, as the last apply calls had them
         # Applies and reductions carry the epoch they were issued in; after
@@ -162,22 +167,40 @@ class StepRunner:
         slice their collectives could interleave)."""
         if issued is not None:
             self._dropped += [(c.slice_id, c.ref) for c in issued.grads]
+            for c in issued.grads:
+                self.unread.add(c.ref, (issued.payloads.get(c.slice_id, {}).get(c.host),))
+            for level in issued.levels:
+                for c in level:
+                    self.unread.add(c.ref)
+
+    def run_first(self, k: int, slice_id: int, refs: Sequence) -> None:
+        """Calls (a cross-check's recomputations on `slice_id`'s hosts)
+        that every gradient call of step k on that slice waits for. Two
+        calls issued back to back to one worker's `compute` thread do not
+        always run in that order (Ray ran about 1 pair in 1500 the other
+        way round), and the hosts of a slice run collectives together: a
+        host that ran the check's gradient while another ran the step's
+        paired two programs' collectives, and both came out wrong. Made
+        an argument, the check runs first on every host."""
+        self._first[(k, slice_id)] = tuple(refs)
 
     def drop_ahead(self) -> None:
         """Forget the calls issued ahead (`drop`)."""
         self.drop(self._ahead)
         self._ahead = None
 
-    def settle_dropped(self, wait: Deadline, live: Mapping) -> None:
+    def settle_dropped(self, wait: Deadline, live: Mapping, only: bool = False) -> None:
         """Wait (within the step's deadline) for the live slices' dropped
         gradient calls to end, whatever their outcome. A lost slice's are
         not waited for: its workers are gone or retired, and a call to a
         worker on a lost node answers only once Ray declares the node dead
-        (tens of seconds on Ray's default health checks)."""
+        (tens of seconds on Ray's default health checks). `only`: `live`
+        is some of the slices (a load's): the others' are kept for later."""
         refs = [ref for s, ref in self._dropped if s in live]
-        self._dropped = []
+        self._dropped = [(s, ref) for s, ref in self._dropped if s not in live] if only else []
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at - self._clock()))
+        self.unread.sweep()
 
     def run(
         self,
@@ -197,6 +220,7 @@ class StepRunner:
         issue its pure calls early (None: the boundary may change slices)."""
         wait = Deadline.after(self._clock(), deadline_s)
         self.step = k
+        self.unread.sweep()
         pre = self._ahead
         if pre is not None and self.pipeline and pre.serves(k, live, assignment):
             self._ahead = None
@@ -328,9 +352,10 @@ class StepRunner:
         the sending hosts' hold any). With `after`, each call takes the refs
         after[slice] as arguments: Ray runs it once they are all done."""
         payloads: dict[int, dict] = {}
+        self._first = {key: refs for key, refs in self._first.items() if key[0] >= k}
 
         def grads_call(w, s: int, h: int):
-            extra = tuple(after[s]) if after else ()
+            extra = (tuple(after[s]) if after else ()) + self._first.get((k, s), ())
             status, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(
                 k, shards_of[s], *extra)
             payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it
@@ -442,6 +467,7 @@ class StepRunner:
                 ray.cancel(ref)
             except Exception:  # already done, or its actor gone
                 pass
+            self.unread.add(ref)
         wanted = [ref for (s, _), ref in applies.items() if slices is None or s in slices]
         if wanted:
             ray.wait(wanted, num_returns=len(wanted), timeout=timeout_s)
@@ -453,6 +479,14 @@ class StepRunner:
         `finished` collects the (slice, host) calls that completed. Returns
         (slice, host) -> the call's reply."""
         pending = {c.ref: c for c in issued}
+        try:
+            return self._gather(pending, k, wait, live, finished)
+        except BaseException:
+            for c in pending.values():  # given up on with the step: read once done
+                self.unread.add(c.ref)
+            raise
+
+    def _gather(self, pending: dict, k: int, wait: Deadline, live: Mapping, finished: Optional[set]) -> dict:
         out = {}
         while pending:
             remaining = wait.at - self._clock()

@@ -37,6 +37,10 @@ HANDSHAKE_S = 0.2
 # tracing and compiling beside its peers): see
 # heartbeats.py. A process frozen then is found in this long.
 FIRST_STEP_HEARTBEAT_S = 15.0
+# Seconds a host found silent by its heartbeats is given to show it died
+# instead (a death Ray has not told the driver of yet): a stopped process
+# is named hung this much later, still within 2 s of its stop.
+DEATH_NOTICE_S = 0.5
 
 
 class Probe(Protocol):
@@ -262,6 +266,18 @@ class FailureLocator:
             return None
         s, h, silent_s = quiet
         self.heartbeats.forget(s)
+        # A process that died is silent too, until Ray tells the driver of
+        # its death (on a loaded host that took over a second after a
+        # SIGKILL): one more ping, given DEATH_NOTICE_S, says which.
+        try:
+            self.probe.ping(live[s].workers[h], DEATH_NOTICE_S)
+            return None  # it answers after all: busy, not hung
+        except rex.GetTimeoutError:
+            pass
+        except rex.RayError as e:
+            kind = self.classify_call(e, live, s, h)
+            if kind is not TRANSIENT:
+                return failure(kind, s, h, step, short(e))
         return self._quiet_failure(s, h, live, step, f"no heartbeat for {silent_s:.1f} s")
 
     def blame(self, s: int, kind: FailureKind, live: Mapping) -> int:
