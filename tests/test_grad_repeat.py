@@ -28,6 +28,9 @@ SHAPES = [("replicated", 1, 1), ("replicated", 2, 1), ("fsdp", 4, 1), ("fsdp_tp"
 DEFAULT = ("fsdp_tp", 2, 2)
 
 
+_run_cache: dict = {}
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -50,7 +53,8 @@ def _run(layout: str, devices: int, hosts: int) -> list[dict]:
     pytest.param(*shape, id=f"{shape[2]}x{shape[1]}-{shape[0]}", marks=() if shape == DEFAULT else pytest.mark.slow)
     for shape in SHAPES])
 def test_a_gradient_computed_again_has_the_same_bits(layout, devices, hosts):
-    for facts in _run(layout, devices, hosts):
+    _run_cache[(layout, devices, hosts)] = runs = _run(layout, devices, hosts)
+    for facts in runs:
         for p in facts["prints"]:
             same_step = {*p["recomputed"], p["sent"]}
             next_step = {p["next_beside_snapshot"], p["next_alone"]}
@@ -58,3 +62,10 @@ def test_a_gradient_computed_again_has_the_same_bits(layout, devices, hosts):
             assert len(next_step) == 1 and None not in next_step, (facts["host"], p)
         # A bit flipped once in one of them is seen.
         assert facts["glitched"] != facts["clean"] and None not in (facts["glitched"], facts["clean"])
+    if hosts > 1:
+        # Hosts running the check and the step in opposite orders pair the
+        # two programs' collectives: what each computes is wrong, silently
+        # (why the runner makes every host run the check first).
+        for facts in _run_cache[(layout, devices, hosts)]:
+            sw = facts["swapped"]
+            assert sw["check"] != sw["check_in_order"] and sw["step"] != sw["step_in_order"], sw

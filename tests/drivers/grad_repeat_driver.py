@@ -44,8 +44,23 @@ for k in range(STEPS):
     snap.join()
     prints.append({"step": k, "recomputed": again, "sent": sent, "next_beside_snapshot": beside,
                    "next_alone": w.recompute(k + 1, SHARD)})
+# Why a slice's hosts must run the check and the step's own gradients in
+# one order (StepRunner.run_first): with host 1 running them the other way
+# round, each program's collectives pair with the other program's on the
+# other host, and nothing fails: the prints just come out other.
+swapped = {}
+if hosts > 1:
+    k = STEPS
+    order = ["check", "step"] if host == 0 else ["step", "check"]
+    for what in order:
+        if what == "check":
+            swapped["check"] = w.recompute(k, SHARD)
+        else:  # the step's own shard, another batch than the check's
+            _, p = w.compute_grads(k, (0,))
+            swapped["step"] = host_fingerprint(p["grads"][0])
+    swapped["check_in_order"], swapped["step_in_order"] = w.recompute(k, SHARD), w.recompute(k, 0)
 # The comparison can fail: a bit flipped once in a check's computation.
 w.corrupt("check", False)
 glitched = w.recompute(STEPS, SHARD)
 print(json.dumps({"layout": layout_name, "host": host, "prints": prints,
-                  "glitched": glitched, "clean": w.recompute(STEPS, SHARD)}))
+                  "glitched": glitched, "clean": w.recompute(STEPS, SHARD), "swapped": swapped}))
