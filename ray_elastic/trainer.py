@@ -7,6 +7,7 @@ from typing import Callable, Optional, Sequence
 
 from ray_elastic.callbacks import Callback, FunctionCallback
 from ray_elastic.checkpoint.config import CheckpointConfig
+from ray_elastic.checkpoint.state_forms import whole_state
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.controller import Controller
 from ray_elastic.failures.faults import Fault
@@ -26,9 +27,16 @@ class ElasticTrainer(Controller):
     checkpoint: durable Orbax checkpoints (CheckpointConfig); with one, a
         new run on the same path resumes from its newest committed step.
     keep_final_state: fetch the final training state (host numpy arrays)
-        into `self.final_state` before the workers are torn down.
+        into `self.final_state` before the workers are torn down: under a
+        replicated layout {"step", "params", "opt_state"} (the program's
+        model state, if any, is in opt_state); under a sharded one a tuple
+        with one {"step", "blocks", "host"} per host of a slice (each
+        host's own blocks). `final_params()` gives the whole params tree
+        either way.
     on_step: called in the driver after every completed step with
-        (step, loss, live slice count).
+        (step, loss, live slice count); steps count from 1: `step` is the
+        number of steps done, so a plain loop's `for i in range(n)` prints
+        its i where this prints i + 1.
     on_event: called in the driver's main thread with each timeline event
         (a dict with "t" and "event"), e.g. to add a replacement node.
     faults: failures to inject (`Fault`), to see recovery for oneself;
@@ -57,3 +65,15 @@ class ElasticTrainer(Controller):
             program_factory, config, steps, callbacks=callbacks, checkpoint=checkpoint,
             keep_final_state=keep_final_state, faults=faults, remove_node=remove_node, freeze_node=freeze_node,
         )
+
+    def whole_final_state(self) -> dict:
+        """{"step", "params", "opt_state"} of whole host arrays after
+        `fit()` with keep_final_state=True, whatever the layout (a sharded
+        state's blocks are put together here, in the driver's memory)."""
+        if self.final_state is None:
+            raise ValueError("no final state: pass keep_final_state=True to ElasticTrainer and call fit() first")
+        return whole_state(self.final_state, self._final_template)
+
+    def final_params(self):
+        """The final params tree of whole host arrays (see whole_final_state)."""
+        return self.whole_final_state()["params"]

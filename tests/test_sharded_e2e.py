@@ -86,7 +86,26 @@ def baseline(cluster, fsdp_factory, tmp_path_factory):
     # host index's apply takes its own tree of host i's blocks.
     assert trainer.members.backend.runner.steps_ahead > 0
     assert report.losses[-1] < report.losses[0]
+    _check_whole(trainer)
     return {"state": trainer.final_state, "losses": report.losses, "checkpoint": path, "events": report.events}
+
+
+def _check_whole(trainer) -> None:
+    """final_params() puts the hosts' blocks together: every block of every
+    host is where its key says in the whole arrays, which have the model's
+    shapes (the example LM's params, made on the driver)."""
+    import jax
+
+    import examples.lm as lm
+
+    whole = trainer.whole_final_state()
+    assert whole["step"] == STEPS and trainer.final_params() is not None
+    shapes = jax.eval_shape(lambda: lm.make_program(lm.LMConfig()).init_params(jax.random.PRNGKey(0)))
+    assert [a.shape for a in jax.tree.leaves(whole["params"])] == [a.shape for a in jax.tree.leaves(shapes)]
+    leaves = {"p": jax.tree.leaves(whole["params"]), "o": jax.tree.leaves(whole["opt_state"])}
+    for part in trainer.final_state:
+        for (tag, i, key), block in part["blocks"].items():
+            np.testing.assert_array_equal(leaves[tag][i][tuple(slice(a, b) for a, b in key)], block)
 
 
 @pytest.fixture(scope="module")

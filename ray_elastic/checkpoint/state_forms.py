@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
-__all__ = ["FlatState", "HostBlocks", "WholeState", "final_state"]
+__all__ = ["FlatState", "HostBlocks", "WholeState", "final_state", "whole_state"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,3 +54,18 @@ def final_state(copy) -> dict | tuple:
     """The user's `final_state`: {"step", "params", "opt_state"} of host
     arrays (replicated), or one {"step", "blocks", "host"} per host (sharded)."""
     return tuple(part.as_dict() for part in copy) if isinstance(copy, tuple) else copy.as_dict()
+
+
+def whole_state(final: dict | tuple, template: Optional[dict] = None) -> dict:
+    """{"step", "params", "opt_state"} of whole host arrays from a
+    `final_state` of either form: as it is (replicated), or the hosts'
+    blocks put together on `template`, the state's tree of shapes and
+    dtypes (sharded)."""
+    if not isinstance(final, tuple):
+        return final
+    from ray_elastic.checkpoint.store import assemble
+
+    if template is None:
+        raise ValueError("a sharded final state needs the state's template to be made whole")
+    parts = [HostBlocks(p["step"], p["blocks"], p["host"]) for p in final]
+    return {"step": parts[0].step, **assemble(parts, template)}

@@ -229,6 +229,10 @@ class RayBackend:
             return tuple(w.state.remote() for w in sl.workers)
         return sl.workers[0].state.remote()
 
+    def template(self, slice_id: int, timeout_s: float = 60.0) -> dict:
+        """The state's tree of shapes and dtypes ({"params", "opt_state"})."""
+        return ray.get(self._up[slice_id].workers[0].state_template.remote(), timeout=timeout_s)
+
     def fetch(self, ref: Any, timeout_s: Optional[float] = None) -> Any:
         if isinstance(ref, tuple):  # a sharded state: one part per host, kept a tuple
             return tuple(ray.get(list(ref), timeout=timeout_s))

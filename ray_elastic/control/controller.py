@@ -95,6 +95,7 @@ class Controller:
         self._callbacks: list[Callback] = [ReportRecorder(self.report), *callbacks]
         self._keep_final_state = keep_final_state
         self.final_state: Optional[dict] = None
+        self._final_template = None  # a sharded final state's tree of shapes and dtypes
         self._provisioner = seams.provisioner
         self._backend = seams.backend
         self._run_name = f"ray_elastic-{uuid.uuid4().hex[:6]}"
@@ -174,6 +175,8 @@ class Controller:
                 self._saves.at_end(self.step)
             if self._keep_final_state and self.members.live:
                 self.final_state = final_state(backend.fetch(backend.state(min(self.members.live))))
+                if isinstance(self.final_state, tuple):  # sharded: the trees' shapes, to make whole arrays of
+                    self._final_template = backend.template(min(self.members.live))
         except BaseException as e:  # RunFailed, a ConfigError found at set-up, a bug, Ctrl-C: all end the run
             outcome, error = "failed", str(e) or type(e).__name__
             if isinstance(e, NonFiniteLoss):  # found before its step is applied: the state before is kept
