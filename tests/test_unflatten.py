@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from jax.flatten_util import ravel_pytree
 
 from ray_elastic.checkpoint import unflatten
@@ -25,3 +26,25 @@ def test_unflatten_inverts_ravel_of_params_and_adam_state():
         np.testing.assert_array_equal(np.asarray(x), y)
         assert np.asarray(x).dtype == y.dtype
     assert int(out["opt_state"][0].count) == 3
+
+
+def test_whole_state_puts_the_hosts_blocks_together_and_keeps_a_whole_one():
+    import jax
+
+    from ray_elastic.checkpoint.state_forms import whole_state
+
+    template = {"params": {"w": jax.ShapeDtypeStruct((4, 2), np.float32)},
+                "opt_state": (jax.ShapeDtypeStruct((2,), np.float32),)}
+    parts = ({"step": 3, "host": 0, "blocks": {("p", 0, ((0, 2), (0, 2))): np.ones((2, 2), np.float32),
+                                                ("o", 0, ((0, 2),)): np.arange(2, dtype=np.float32)}},
+             {"step": 3, "host": 1, "blocks": {("p", 0, ((2, 4), (0, 2))): np.full((2, 2), 2, np.float32)}})
+    whole = whole_state(parts, template)
+    assert whole["step"] == 3
+    np.testing.assert_array_equal(whole["params"]["w"], [[1, 1], [1, 1], [2, 2], [2, 2]])
+    np.testing.assert_array_equal(whole["opt_state"][0], [0, 1])
+    replicated = {"step": 1, "params": {}, "opt_state": ()}
+    assert whole_state(replicated) is replicated
+    with pytest.raises(ValueError, match="template"):
+        whole_state(parts)
+    with pytest.raises(ValueError, match="do not cover"):
+        whole_state(parts[:1], template)
