@@ -25,7 +25,7 @@ def test_a_recovered_kill_prints_one_line_and_no_ray_traceback(cluster, nodes, p
                          timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"steps": 16, "failures": [["process_died", 1, 6]]}, result
+    assert result == {"steps": 10, "failures": [["process_died", 1, 4]]}, result
     err = out.stderr
     assert "Unhandled error" not in err and "Traceback" not in err, err[-4000:]
-    assert err.count("slice 1 host 0 failed at step 6 (process_died)") == 1, err[-4000:]
+    assert err.count("slice 1 host 0 failed at step 4 (process_died)") == 1, err[-4000:]

@@ -21,14 +21,14 @@ os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from examples.lm import MEDIUM, make_program, sharded_layout  # noqa: E402
+from examples.lm import LMConfig, make_program, sharded_layout  # noqa: E402
 from ray_elastic.layout import Layout  # noqa: E402
 from ray_elastic.worker.actor import SliceWorker  # noqa: E402
 from ray_elastic.worker.fingerprint import host_fingerprint  # noqa: E402
 
 STEPS, SHARD = 4, 1
 layout = Layout() if layout_name == "replicated" else sharded_layout(layout_name)
-w = SliceWorker(0, host, hosts, functools.partial(make_program, MEDIUM, layout), 0, 2)
+w = SliceWorker(0, host, hosts, functools.partial(make_program, LMConfig(), layout), 0, 2)
 w.setup(f"127.0.0.1:{port}" if hosts > 1 else None, "")
 prints = []
 for k in range(STEPS):

@@ -21,6 +21,6 @@ from ray_elastic import ElasticConfig, ElasticTrainer, Fault  # noqa: E402
 
 ray.init(address=sys.argv[1], log_to_driver=False, runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
 report = ElasticTrainer(functools.partial(lm.make_program, lm.LMConfig()),
-                        ElasticConfig(num_slices=2, policy=sys.argv[2], timeout_s=120.0), 16,
-                        faults=(Fault("kill", 1, 6),)).fit()
+                        ElasticConfig(num_slices=2, policy=sys.argv[2], timeout_s=120.0), 10,
+                        faults=(Fault("kill", 1, 4),)).fit()
 print(json.dumps({"steps": report.steps_completed, "failures": [(f.kind, f.slice, f.step) for f in report.failures]}))
