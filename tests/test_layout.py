@@ -87,7 +87,7 @@ def test_cycle_finder_finds_one():
 # layout, callbacks) is at the bottom: every layer may speak it. The entry
 # points (the public package, the CLI, elastic_retry) are at the top.
 LAYERS = [
-    ("ray_elastic.errors", "ray_elastic.config", "ray_elastic.layout", "ray_elastic.program",
+    ("ray_elastic.errors", "ray_elastic.paths", "ray_elastic.config", "ray_elastic.layout", "ray_elastic.program",
      "ray_elastic.callbacks", "ray_elastic.data"),
     ("ray_elastic.failures",),
     ("ray_elastic.checkpoint",),

@@ -46,6 +46,7 @@ from ray_elastic.checkpoint.snapshots import SnapshotStore
 from ray_elastic.control.snapshotting import Snapshotting
 from ray_elastic.control.checking import Checks
 from ray_elastic.control.integrity import roll_back, spend_retry
+from ray_elastic.worker.gc_pauses import step_pauses
 from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.seams import Seams
 
@@ -406,13 +407,7 @@ class Controller:
         live = len(self.members.live) if slices is None else slices
         step_metrics = {"loss": result.loss, **result.aux, "slices": live, "step_s": step_s,
                         **self._checks.timing(result.metrics)}
-        # The longest the collector held any host's Python still since its
-        # last apply (worker/gc_pauses.py: what a ping could not get past),
-        # and the hosts' full collections in that time.
-        hosts = [m for m in result.metrics.values() if isinstance(m, dict) and "gc_pause_s" in m]
-        if hosts:
-            step_metrics["gc_pause_s"] = max(m["gc_pause_s"] for m in hosts)
-            step_metrics["gc_full"] = sum(m.get("gc_full", 0) for m in hosts)
+        step_metrics.update(step_pauses(result.metrics))
         for cb in self._callbacks:
             cb.on_step(self.step, step_metrics)
 

@@ -1,7 +1,8 @@
 """The calls a step is made of, as the dispatch layer issues and gathers
 them: one call on one host (`Call`), the step's deadline (`Deadline`), a
 step's gradient phase and reduction tree issued as one graph (`Issued`),
-and a step's calls grouped by slice. Pure: nothing here talks to Ray
+a step's calls grouped by slice, and what a step comes back with
+(`StepResult`, or `PartialStep` when a slice failed in it). Pure: nothing here talks to Ray
 (step_runner.py makes the calls and waits for them; the group leaders,
 leader.py, use the same pieces)."""
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-__all__ = ["Call", "Deadline", "Issued", "refs_by_slice"]
+__all__ = ["Call", "Deadline", "Issued", "PartialStep", "StepResult", "refs_by_slice"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,3 +64,35 @@ def refs_by_slice(calls: Iterable[Call], start: Optional[Mapping[int, list]] = N
     for c in calls:
         out.setdefault(c.slice_id, []).append(c.ref)
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    metrics: dict  # (slice, host) -> the worker's step metrics (loss, notices)
+    # slice -> ref of the state it snapshotted after the step (a tuple, one
+    # per host, under a sharded layout); copied off the step's path, so not
+    # sealed until the refs of its calls' statuses (snapshot_status) are.
+    snapshots: dict
+    snapshot_status: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def loss(self) -> float:
+        return next(iter(self.metrics.values()))["loss"]
+
+    @property
+    def aux(self) -> dict:
+        """The program's aux metrics of the step, reduced over the global batch."""
+        return dict(next(iter(self.metrics.values())).get("aux", {}))
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialStep:
+    """What a step had done when a slice failed in its gradient phase: the
+    gradients of the slices that finished it (refs on their own nodes).
+    Rides on the SliceFailure (`partial`), so that under resize the
+    survivors compute only the lost slice's shards and the step completes."""
+
+    step: int
+    assignment: dict  # slice -> its shards, as the step began
+    payloads: dict  # surviving slice -> {sending host: its gradients (a ref)}
+    pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 Calls still running

@@ -47,8 +47,8 @@ import ray
 from ray import exceptions as rex
 
 from ray_elastic.dispatch.assignment import spread_shards
-from ray_elastic.dispatch.unread import Unread
-from ray_elastic.dispatch.calls import Call, Deadline, Issued, refs_by_slice
+from ray_elastic.dispatch.unread import Dropped
+from ray_elastic.dispatch.calls import Call, Deadline, Issued, PartialStep, StepResult, refs_by_slice
 from ray_elastic.dispatch.tree import Part, deeper, gates, holders, refs_of
 from ray_elastic.errors import FailureKind, SliceFailure
 from ray_elastic.failures.internal import StepAborted
@@ -80,38 +80,6 @@ def senders(sl) -> int:
     return len(sl.workers) if per_host(sl) else 1
 
 
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    metrics: dict  # (slice, host) -> the worker's step metrics (loss, notices)
-    # slice -> ref of the state it snapshotted after the step (a tuple, one
-    # per host, under a sharded layout); copied off the step's path, so not
-    # sealed until the refs of its calls' statuses (snapshot_status) are.
-    snapshots: dict
-    snapshot_status: dict = dataclasses.field(default_factory=dict)
-
-    @property
-    def loss(self) -> float:
-        return next(iter(self.metrics.values()))["loss"]
-
-    @property
-    def aux(self) -> dict:
-        """The program's aux metrics of the step, reduced over the global batch."""
-        return dict(next(iter(self.metrics.values())).get("aux", {}))
-
-
-@dataclasses.dataclass(frozen=True)
-class PartialStep:
-    """What a step had done when a slice failed in its gradient phase: the
-    gradients of the slices that finished it (refs on their own nodes).
-    Rides on the SliceFailure (`partial`), so that under resize the
-    survivors compute only the lost slice's shards and the step completes."""
-
-    step: int
-    assignment: dict  # slice -> its shards, as the step began
-    payloads: dict  # surviving slice -> {sending host: its gradients (a ref)}
-    pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 Calls still running
-
-
 def pipeline_default() -> bool:
     return os.environ.get("RAY_ELASTIC_PIPELINE", "1") != "0"
 
@@ -133,11 +101,9 @@ class StepRunner:
         self._ahead: Optional[Issued] = None  # the next step, issued ahead
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
-        self._dropped: list = []  # (slice, status ref) of gradient calls issued ahead and dropped
+        self._dropped = Dropped(ray)  # calls given up on: waited for and read (unread.py)
+        self.unread = self._dropped.unread
         self._first: dict[tuple[int, int], tuple] = {}  # (step, slice) -> calls its gradient calls wait for
-        # Calls given up on, read once done so that Ray does not print their
-        # errors as unhandled (unread.py).
-        self.unread = Unread(ray)
         self._applies: dict = {}  # (slice, host) -> metrics ref of the last step's apply call (its latest try)
         self._workers: dict = {}  # slice -> its workers, as the last apply calls had them
         # Applies and reductions carry the epoch they were issued in; after
@@ -160,28 +126,16 @@ class StepRunner:
         return self._reissued
 
     def drop(self, issued: Optional[Issued]) -> None:
-        """Forget calls issued (their results are never read). Their
-        gradient calls may still run (after an apply that did succeed): no
-        new call is issued before they are over (`settle_dropped`), so a
-        worker never runs two gradient phases at once (on a multi-host
-        slice their collectives could interleave)."""
-        if issued is not None:
-            self._dropped += [(c.slice_id, c.ref) for c in issued.grads]
-            for c in issued.grads:
-                self.unread.add(c.ref, (issued.payloads.get(c.slice_id, {}).get(c.host),))
-            for level in issued.levels:
-                for c in level:
-                    self.unread.add(c.ref)
+        """Forget calls issued: their results are never read (unread.Dropped)."""
+        self._dropped.drop(issued)
 
     def run_first(self, k: int, slice_id: int, refs: Sequence) -> None:
         """Calls (a cross-check's recomputations on `slice_id`'s hosts)
-        that every gradient call of step k on that slice waits for. Two
-        calls issued back to back to one worker's `compute` thread do not
-        always run in that order (Ray ran about 1 pair in 1500 the other
-        way round), and the hosts of a slice run collectives together: a
-        host that ran the check's gradient while another ran the step's
-        paired two programs' collectives, and both came out wrong. Made
-        an argument, the check runs first on every host."""
+        that every gradient call of step k on that slice takes as
+        arguments, so that every host runs them first: issued back to back
+        on one worker's `compute` thread, Ray ran about 1 pair in 1500 the
+        other way round, and two hosts running two programs paired their
+        collectives (docs/integrity.md, "Gradient cross-checks")."""
         self._first[(k, slice_id)] = tuple(refs)
 
     def drop_ahead(self) -> None:
@@ -190,17 +144,8 @@ class StepRunner:
         self._ahead = None
 
     def settle_dropped(self, wait: Deadline, live: Mapping, only: bool = False) -> None:
-        """Wait (within the step's deadline) for the live slices' dropped
-        gradient calls to end, whatever their outcome. A lost slice's are
-        not waited for: its workers are gone or retired, and a call to a
-        worker on a lost node answers only once Ray declares the node dead
-        (tens of seconds on Ray's default health checks). `only`: `live`
-        is some of the slices (a load's): the others' are kept for later."""
-        refs = [ref for s, ref in self._dropped if s in live]
-        self._dropped = [(s, ref) for s, ref in self._dropped if s not in live] if only else []
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=max(0.0, wait.at - self._clock()))
-        self.unread.sweep()
+        """Wait, within `wait`, for the live slices' dropped gradient calls to end (unread.Dropped.settle)."""
+        self._dropped.settle(wait.at - self._clock(), live, only)
 
     def run(
         self,
@@ -252,10 +197,20 @@ class StepRunner:
                 result = StepResult(self.gather(applies, k, wait, live), *snaps())
         except BaseException:
             self.drop_ahead()  # the step failed: what was issued after it is void
+            self._give_up(pre, applies, snaps)
             raise
         if self.reissued != since:
             self.drop_ahead()  # issued after an apply call that was re-issued
         return result
+
+    def _give_up(self, pre: Issued, applies: list, snaps: Callable[[], tuple]) -> None:
+        """A step failed: its reductions, applies and snapshots are read once done (unread.py)."""
+        for c in [c for level in pre.levels for c in level] + applies:
+            self.unread.add(c.ref)
+        states, statuses = snaps()
+        for s, status in statuses.items():
+            for i, ref in enumerate(status):
+                self.unread.add(ref, (states[s][i] if isinstance(states[s], tuple) else states[s],))
 
     def _run_in_phases(self, k, live, assignment, takers, wait: Deadline, on_issued) -> StepResult:
         """Each phase issued once the one before is gathered."""
@@ -480,58 +435,55 @@ class StepRunner:
         (slice, host) -> the call's reply."""
         pending = {c.ref: c for c in issued}
         try:
-            return self._gather(pending, k, wait, live, finished)
+            out = {}
+            while pending:
+                remaining = wait.at - self._clock()
+                if remaining <= 0:
+                    candidates = [(c.slice_id, c.host) for c in pending.values()]
+                    raise self.locator.hung(candidates, live, k, wait.seconds)
+                refs = list(pending)
+                done, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, NODE_PROBE_S))
+                if self.aborted():
+                    raise StepAborted(k)
+                if not done:  # a lost node, or a host that stopped answering its heartbeats
+                    lost = self.locator.watch(live, {c.slice_id for c in pending.values()}, k)
+                    if lost is not None:
+                        raise lost
+                    continue
+                if len(refs) > 1:
+                    # Then everything else that finishes within the poll, in
+                    # one more wait: a wait's cost grows with the calls it looks
+                    # at, and one per finished call made a phase O(slices^2)
+                    # (at 1024 slices, 0.3 s of the driver's CPU per step).
+                    remaining = max(0.0, wait.at - self._clock())
+                    done, _ = ray.wait(refs, num_returns=len(refs), timeout=min(remaining, GATHER_POLL_S))
+                try:  # one get for all of them; one by one only to sort an error
+                    values = ray.get(done)
+                except rex.RayError:
+                    values = None
+                for i, ref in enumerate(done):
+                    c = pending.pop(ref)
+                    s, h = c.slice_id, c.host
+                    try:
+                        out[(s, h)] = ray.get(ref) if values is None else values[i]
+                        if finished is not None:
+                            finished.add((s, h))
+                    except rex.RayError as e:
+                        peer = self.locator.peer_failure(e, live, s, h, k)
+                        if peer is not None:
+                            raise peer from None
+                        kind = self.locator.classify_call(e, live, s, h)
+                        if kind is TRANSIENT:
+                            self._reissued += 1
+                            again = dataclasses.replace(c, ref=c.reissue())
+                            pending[again.ref] = again
+                            continue
+                        raise failure(kind, self.locator.blame(s, kind, live), h, k, short(e)) from None
+            return out
         except BaseException:
             for c in pending.values():  # given up on with the step: read once done
                 self.unread.add(c.ref)
             raise
-
-    def _gather(self, pending: dict, k: int, wait: Deadline, live: Mapping, finished: Optional[set]) -> dict:
-        out = {}
-        while pending:
-            remaining = wait.at - self._clock()
-            if remaining <= 0:
-                candidates = [(c.slice_id, c.host) for c in pending.values()]
-                raise self.locator.hung(candidates, live, k, wait.seconds)
-            refs = list(pending)
-            done, _ = ray.wait(refs, num_returns=1, timeout=min(remaining, NODE_PROBE_S))
-            if self.aborted():
-                raise StepAborted(k)
-            if not done:  # a lost node, or a host that stopped answering its heartbeats
-                lost = self.locator.watch(live, {c.slice_id for c in pending.values()}, k)
-                if lost is not None:
-                    raise lost
-                continue
-            if len(refs) > 1:
-                # Then everything else that finishes within the poll, in
-                # one more wait: a wait's cost grows with the calls it looks
-                # at, and one per finished call made a phase O(slices^2)
-                # (at 1024 slices, 0.3 s of the driver's CPU per step).
-                remaining = max(0.0, wait.at - self._clock())
-                done, _ = ray.wait(refs, num_returns=len(refs), timeout=min(remaining, GATHER_POLL_S))
-            try:  # one get for all of them; one by one only to sort an error
-                values = ray.get(done)
-            except rex.RayError:
-                values = None
-            for i, ref in enumerate(done):
-                c = pending.pop(ref)
-                s, h = c.slice_id, c.host
-                try:
-                    out[(s, h)] = ray.get(ref) if values is None else values[i]
-                    if finished is not None:
-                        finished.add((s, h))
-                except rex.RayError as e:
-                    peer = self.locator.peer_failure(e, live, s, h, k)
-                    if peer is not None:
-                        raise peer from None
-                    kind = self.locator.classify_call(e, live, s, h)
-                    if kind is TRANSIENT:
-                        self._reissued += 1
-                        again = dataclasses.replace(c, ref=c.reissue())
-                        pending[again.ref] = again
-                        continue
-                    raise failure(kind, self.locator.blame(s, kind, live), h, k, short(e)) from None
-        return out
 
     def _hand_off(self, k: int, live: Mapping, holder: dict, wait: Deadline, host: int = 0) -> list:
         """The refs the apply calls of host index `host` take (`holder`:

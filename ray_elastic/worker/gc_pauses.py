@@ -31,7 +31,7 @@ import gc
 import threading
 import time
 
-__all__ = ["GcPauses"]
+__all__ = ["GcPauses", "step_pauses"]
 
 
 class GcPauses:
@@ -83,3 +83,14 @@ class GcPauses:
             gc.callbacks.remove(self._on_gc)
         except ValueError:
             pass
+
+
+def step_pauses(metrics) -> dict:
+    """A step's `gc_pause_s` (the longest any host's collector held its
+    Python still since its last apply: what a ping could not get past) and
+    `gc_full` (the hosts' full collections in that time), from the hosts'
+    apply metrics ((slice, host) -> dict); {} when none reports them."""
+    hosts = [m for m in metrics.values() if isinstance(m, dict) and "gc_pause_s" in m]
+    if not hosts:
+        return {}
+    return {"gc_pause_s": max(m["gc_pause_s"] for m in hosts), "gc_full": sum(m.get("gc_full", 0) for m in hosts)}
