@@ -38,9 +38,12 @@ HANDSHAKE_S = 0.2
 # heartbeats.py. A process frozen then is found in this long.
 FIRST_STEP_HEARTBEAT_S = 15.0
 # Seconds a host found silent by its heartbeats is given to show it died
-# instead (a death Ray has not told the driver of yet): a stopped process
-# is named hung this much later, still within 2 s of its stop.
-DEATH_NOTICE_S = 0.5
+# instead (a death Ray has just told the driver of): a stopped process is
+# named hung this much later. Kept short: 0.5 s took a stopped worker's
+# detection past 2 s (`python -m bench detect`), and a death Ray reports
+# later still (a SIGKILL on a host whose cores are saturated) is named
+# hung, recovered the same way.
+DEATH_NOTICE_S = 0.1
 
 
 class Probe(Protocol):
