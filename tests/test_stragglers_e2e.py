@@ -35,7 +35,11 @@ def ref2(cluster, lm_factory):
 
 def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, ref2):
     nodes(4)  # two slices, a spare, and the straggler's replacement (off its node)
-    config = ElasticConfig(num_slices=2, policy="pause", spare_slices=1, straggler_steps=AFTER, timeout_s=120.0)
+    # A factor of 3 against the fault's 8x: on this 2-core box the spare's
+    # warm process starting beside the slices once made a healthy slice
+    # 1.7x slower for the first steps, over the default 1.3.
+    config = ElasticConfig(num_slices=2, policy="pause", spare_slices=1, straggler_steps=AFTER, timeout_s=120.0,
+                           straggler_factor=3.0)
     holder: dict = {}
 
     def spare_up_first(e):
@@ -58,8 +62,11 @@ def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, re
     assert [e["action"] for e in stragglers[1:]] == ["report"] * (len(stragglers) - 1), stragglers
     slow = stragglers[0]
     assert slow["slice"] == 1 and slow["action"] == "swap" and slow["ratio"] > config.straggler_factor
-    # Named after AFTER slow steps (the fault may land a step late).
-    assert SLOW_AT + AFTER <= slow["step"] <= SLOW_AT + AFTER + 2, slow
+    # Named after AFTER slow steps: those from SLOW_AT on, or from the one
+    # after (the fault lands as step SLOW_AT's gradient calls are out, and
+    # may reach the worker before or after its call starts), a step later
+    # on a busy machine.
+    assert SLOW_AT + AFTER - 1 <= slow["step"] <= SLOW_AT + AFTER + 2, slow
     [f] = report.failures
     assert f.kind == "straggler" and f.slice == 1 and f.steps_rewound == 0
     grow = next(e for e in events(report, "grow") if 2 in e["joined"])
