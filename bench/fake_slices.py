@@ -361,7 +361,7 @@ class FakeSlices:
         return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic())
 
     @staticmethod
-    def kill(workers: list) -> None:
+    def kill(workers: list, infos=()) -> None:
         for w in workers:
             if isinstance(w, FakeWorker):
                 w.dead = True

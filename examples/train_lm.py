@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_shared_options(p, steps=500, timeout_s=300.0)
     p.add_argument("--cpus-per-host", type=int, default=1,
                    help="slice.cpus_per_host: CPUs each host's worker reserves (default: %(default)s)")
-    p.add_argument("--gpus-per-host", type=int, default=0,
-                   help="slice.gpus_per_host: GPU hosts with this many GPUs each; 0: CPU hosts (default: %(default)s)")
+    p.add_argument("--gpus-per-host", type=float, default=0,
+                   help="slice.gpus_per_host: GPU hosts with this many GPUs each, or a share of one GPU below 1 "
+                        "(slices sharing a GPU); 0: CPU hosts (default: %(default)s)")
     p.add_argument("--tpu-topology", default=None,
                    help="slice.topology: TPU slices of this topology, e.g. 4x4 (default: none; 2x2 with --tpu-version)")
     p.add_argument("--tpu-version", default=None,
@@ -68,7 +69,8 @@ def slice_spec(args):
     if args.tpu_topology or args.tpu_version:
         return TpuSlice(topology=args.tpu_topology or "2x2", accelerator_version=args.tpu_version or "v6e")
     if args.gpus_per_host:
-        return GpuSlice(hosts=args.hosts_per_slice, gpus_per_host=args.gpus_per_host, cpus_per_host=args.cpus_per_host)
+        gpus = int(args.gpus_per_host) if args.gpus_per_host >= 1 else args.gpus_per_host
+        return GpuSlice(hosts=args.hosts_per_slice, gpus_per_host=gpus, cpus_per_host=args.cpus_per_host)
     return CpuSlice(hosts=args.hosts_per_slice, cpus_per_host=args.cpus_per_host, devices_per_host=args.devices_per_host)
 
 

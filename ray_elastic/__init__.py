@@ -17,6 +17,7 @@ from ray_elastic.errors import (
     RunFailed,
     SliceFailure,
     SlicePreempted,
+    WorkerOutOfMemory,
     WorkerHung,
     WorkerProcessDied,
 )
@@ -66,6 +67,7 @@ __all__ = [
     "NodeDied",
     "WorkerHung",
     "SlicePreempted",
+    "WorkerOutOfMemory",
     "RunFailed",
     "NonFiniteLoss",
     "RetryBudgetExhausted",

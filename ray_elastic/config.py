@@ -61,28 +61,48 @@ class CpuSlice:
 
 @dataclasses.dataclass(frozen=True)
 class GpuSlice:
-    """A slice of GPU hosts; each worker sees its host's GPUs."""
+    """A slice of GPU hosts; each worker sees its host's GPUs.
+
+    gpus_per_host: whole GPUs per host (1 and up), or a share of one GPU
+    (above 0, below 1: Ray's fractional GPUs), for slices that share a GPU
+    (a notebook on a one-GPU head node, a test): each such worker's JAX
+    sees the one GPU as one device and preallocates only its share of the
+    GPU's memory (90% of it, leaving room for the CUDA context of each
+    process), through XLA_PYTHON_CLIENT_MEM_FRACTION. Two slices at 0.5 on
+    one GPU each take 45% of its memory.
+    """
 
     hosts: int = 1
-    gpus_per_host: int = 1
+    gpus_per_host: Union[int, float] = 1
     cpus_per_host: int = 1
 
     def __post_init__(self):
         _positive_int("slice.hosts", self.hosts)
-        _positive_int("slice.gpus_per_host", self.gpus_per_host)
+        g = self.gpus_per_host
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not (0 < g < 1 or (g >= 1 and g == int(g))):
+            raise ConfigError("slice.gpus_per_host", f"must be a whole number of GPUs (1 and up) or a share of "
+                              f"one GPU (above 0, below 1), got {g!r}")
         _positive_int("slice.cpus_per_host", self.cpus_per_host)
 
     @property
+    def shared(self) -> bool:
+        """Each worker has a share of one GPU, beside other workers."""
+        return self.gpus_per_host < 1
+
+    @property
     def devices(self) -> int:
-        """JAX devices in one slice: hosts x GPUs per host."""
-        return self.hosts * self.gpus_per_host
+        """JAX devices in one slice: hosts x GPUs per host (one for a share of a GPU)."""
+        return self.hosts * (1 if self.shared else int(self.gpus_per_host))
 
     def bundles(self) -> list[dict[str, float]]:
         one = {"CPU": float(self.cpus_per_host), "GPU": float(self.gpus_per_host)}
         return [dict(one) for _ in range(self.hosts)]
 
     def worker_env(self) -> dict[str, str]:
-        return {"JAX_PLATFORMS": "cuda"}
+        env = {"JAX_PLATFORMS": "cuda"}
+        if self.shared:
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{0.9 * self.gpus_per_host:.3f}"
+        return env
 
 
 @dataclasses.dataclass(frozen=True)

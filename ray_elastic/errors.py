@@ -24,6 +24,7 @@ __all__ = [
     "NodeDied",
     "WorkerHung",
     "SlicePreempted",
+    "WorkerOutOfMemory",
     "RunFailed",
     "NonFiniteLoss",
     "RetryBudgetExhausted",
@@ -69,6 +70,7 @@ class FailureKind(str, enum.Enum):
     PREEMPTED = "preempted"  # the node was drained with a preemption notice
     CORRUPTED = "corrupted"  # its state or math differs from the other replicas' (silent data corruption)
     STRAGGLER = "straggler"  # it computed its shards slower than the others for many steps, and was swapped out
+    OOM = "oom"  # a host ran out of memory: Ray's memory monitor killed its worker, or its object store or spill disk filled
 
 
 class SliceFailure(ElasticError):
@@ -147,6 +149,18 @@ class SliceStraggling(SliceFailure):
     kind = FailureKind.STRAGGLER
 
 
+class WorkerOutOfMemory(SliceFailure):
+    """A host of the slice ran out of memory: Ray's memory monitor killed
+    its worker (the node's memory passed `RAY_memory_usage_threshold`), or
+    its object store and spill disk were full. The cause names what the
+    node had and, where the run's preflight estimated it, what a host of
+    this run needs. Recovered like a lost process; a run that needs more
+    than its hosts have fails the same way again and ends when its retry
+    budget is spent, with this cause."""
+
+    kind = FailureKind.OOM
+
+
 FAILURE_TYPES = {
     FailureKind.PROCESS_DIED: WorkerProcessDied,
     FailureKind.NODE_DIED: NodeDied,
@@ -154,6 +168,7 @@ FAILURE_TYPES = {
     FailureKind.PREEMPTED: SlicePreempted,
     FailureKind.CORRUPTED: SliceCorrupted,
     FailureKind.STRAGGLER: SliceStraggling,
+    FailureKind.OOM: WorkerOutOfMemory,
 }
 
 

@@ -240,6 +240,21 @@ def test_gpu_slice_bundles_and_env():
     assert s.worker_env() == {"JAX_PLATFORMS": "cuda"}
 
 
+def test_gpu_slices_can_share_a_gpu_each_with_its_share_of_the_memory():
+    half = GpuSlice(gpus_per_host=0.5)
+    assert half.bundles() == [{"CPU": 1.0, "GPU": 0.5}] and half.devices == 1 and half.shared
+    assert half.worker_env() == {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450"}
+    assert GpuSlice(hosts=2, gpus_per_host=0.25).devices == 2
+    assert GpuSlice(gpus_per_host=2.0).devices == 2 and not GpuSlice(gpus_per_host=2.0).shared
+
+
+@pytest.mark.parametrize("value", [1.5, -0.5, True, "1", 0.0])
+def test_a_gpu_share_is_below_one_or_whole(value):
+    with pytest.raises(ConfigError, match="share of one GPU") as info:
+        GpuSlice(gpus_per_host=value)
+    assert info.value.setting == "slice.gpus_per_host"
+
+
 @pytest.mark.parametrize("field", ["hosts", "gpus_per_host", "cpus_per_host"])
 def test_gpu_slice_invalid(field):
     with pytest.raises(ConfigError) as info:

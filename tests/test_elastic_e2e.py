@@ -11,6 +11,7 @@ import os
 import time
 
 import numpy as np
+import psutil
 import pytest
 import ray
 
@@ -236,30 +237,53 @@ def test_resize_node_removed_then_replacement_joins(nodes, lm_factory, baseline)
     assert report.slices_per_step[-1] == 2
 
 
-def test_resize_worker_hung(nodes, lm_factory, baseline):
+def test_worker_hung_is_found_by_heartbeats_and_replaced_once_gone(nodes, lm_factory, baseline):
     """On the default step deadline (a 10 s floor): the SIGSTOPped worker
-    stops answering its heartbeats and is found by them, long before."""
+    stops answering its heartbeats, its node's kernel says it is stopped,
+    and it is found long before. It is ended at once (Ray's own kill waits
+    for a graceful exit a stopped process never makes, holding its bundle
+    of the placement group), and its replacement on the same node starts
+    only once it has exited (worker/predecessors.py)."""
     nodes(2)
-    config = _config(policy="resize")
-    trainer, report = _run(lm_factory, config, faults=(Fault("stop", 1, FAIL_AT),))
+    config = _config(policy="pause")
+    old = {}
+
+    def on_event(e):
+        if e["event"] == "fault":
+            old["pid"] = trainer_box[0].hosts(1)[0]["pid"]
+
+    trainer_box = []
+    trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("stop", 1, FAIL_AT),), on_event=on_event,
+                             keep_final_state=True)
+    trainer_box.append(trainer)
+    report = trainer.fit()
     f = _common_checks(report, "hung")
-    assert "no heartbeat" in f.cause and "node" in f.cause and "answers" in f.cause, f.cause
+    assert "no heartbeat" in f.cause and "its process is stopped" in f.cause and "answers" in f.cause, f.cause
     assert f.detected_s < config.step_deadline_floor_s
-    assert f.slices_after == 1
+    assert f.slices_after == 2 and min(report.slices_per_step) == 2
+    (ready,) = [e for e in report.events if e["event"] == "slice_ready" and e["t"] > f.detected_s and e["slice"] == 1]
+    assert old["pid"] in ready["predecessors"]["pids"], ready
+    assert "predecessors" in ready["phases"]
+    assert not psutil.pid_exists(old["pid"]) or psutil.Process(old["pid"]).status() == psutil.STATUS_ZOMBIE
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
-def test_a_slow_slice_is_not_a_hang(nodes, lm_factory, baseline):
-    """A slice slowed to well over 20x the median step (a `slow` fault: it
-    still answers its heartbeats) is waited for: no failure, the same
-    math."""
+def test_a_slow_slice_and_a_worker_holding_its_gil_are_not_hung(nodes, lm_factory, baseline):
+    """A worker that holds Python's GIL for 5 s mid-step (a `gil` fault:
+    its heartbeats go unanswered, as in a long garbage collection, yet its
+    process runs) and, later, a slice slowed to well over 20x the median
+    step (a `slow` fault: it still answers its heartbeats) are waited for:
+    no failure, the same math."""
     nodes(2)
-    at = STEPS - 4  # the last steps slowed: the median is of the steps before
-    trainer, report = _run(lm_factory, _config(policy="resize"), faults=(Fault("slow", 1, at, ms=4000),))
+    at = STEPS - 2  # the last steps slowed: the median is of the steps before
+    faults = (Fault("gil", 1, FAIL_AT, ms=5000), Fault("slow", 1, at, ms=4000))
+    trainer, report = _run(lm_factory, _config(policy="resize"), faults=faults)
     assert report.steps_completed == STEPS and not report.failures, report.failures
+    assert report.step_times[FAIL_AT] >= 4.0, report.step_times  # the GIL was held through the step
+    assert trainer.members.backend.locator.busy_silences >= 1  # heard nothing, found it running
     median = sorted(report.step_times[2:at])[len(report.step_times[2:at]) // 2]
     assert min(report.step_times[at + 1:]) > 20 * median, (median, report.step_times)
-    assert any(e["event"] == "fault" and e["kind"] == "slow" for e in report.events)
+    assert {e["kind"] for e in report.events if e["event"] == "fault"} == {"gil", "slow"}
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 

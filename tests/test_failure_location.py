@@ -31,8 +31,9 @@ class _Slice:
 
 
 class _Probe:
-    def __init__(self, lost=(), dead=()):
+    def __init__(self, lost=(), dead=(), states=None):
         self.lost, self.dead = set(lost), set(dead)
+        self.states = dict(states or {})  # pid -> process_state's answer
 
     def node_alive(self, node_id):
         return node_id not in self.lost
@@ -46,6 +47,9 @@ class _Probe:
     def ping(self, worker, timeout_s):
         if worker in self.dead:
             raise rex.ActorDiedError()
+
+    def process_state(self, node_id, pid):
+        return self.states.get(pid)
 
 
 class _Clock:

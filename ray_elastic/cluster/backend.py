@@ -23,6 +23,9 @@ class SliceUp:
     # jax_init, program_build, initial_state, compile, report: see
     # readiness.readiness_phases); empty where the backend does not time them.
     phases: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    # Worker processes given up on that its hosts waited to see exit
+    # first (pids, those killed, seconds: worker/predecessors.py).
+    predecessors: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class SliceBackend(Protocol):

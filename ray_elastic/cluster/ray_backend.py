@@ -102,9 +102,11 @@ class RayBackend:
                 self._restart(s, e)
                 continue
             if live is not None:
+                self.locator.probe.watch(i["node_id"] for i in live.infos)
                 del self._coming[s]
                 self._up[s] = live
-                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3), dict(live.phases)))
+                up.append(SliceUp(s, round(live.ready_at - p.started_at, 3), dict(live.phases),
+                                  dict(live.predecessors)))
         return up
 
     def placed(self, slice_id: int) -> bool:
@@ -119,7 +121,7 @@ class RayBackend:
         for holder in (self._up, self._coming):
             gone = holder.pop(slice_id, None)
             if gone is not None:
-                self._slices.kill(gone.workers)
+                self._slices.kill(gone.workers, gone.infos if isinstance(gone, LiveSlice) else ())
 
     def hosts(self, slice_id: int) -> list[dict]:
         return self._up[slice_id].infos
@@ -134,6 +136,12 @@ class RayBackend:
     def slow_down(self, slice_id: int, host: int, ms: int) -> None:
         worker = self._up[slice_id].workers[host]
         ray.get(worker.slow_down.options(concurrency_group="control").remote(ms), timeout=30.0)
+
+    def hold_gil(self, slice_id: int, host: int, ms: int) -> None:
+        """Have a worker hold its GIL for `ms` (a `gil` fault); not waited
+        for: the step goes on around it. Its reply is read once it comes."""
+        worker = self._up[slice_id].workers[host]
+        self.runner.unread.add(worker.hold_gil.options(concurrency_group="control").remote(ms))
 
     def corrupt(self, slice_id: int, host: int, target: str, lasting: bool) -> None:
         worker = self._up[slice_id].workers[host]

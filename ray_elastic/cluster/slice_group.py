@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -22,6 +22,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ray_elastic.config import CpuSlice, GpuSlice, SliceSpec, TpuSlice
 from ray_elastic.program import TrainProgram
+from ray_elastic.failures import process_state
+from ray_elastic.worker.predecessors import Predecessor
 from ray_elastic.worker.readiness import phase_seconds
 from ray_elastic.worker.warm_pool import hook_env
 from ray_elastic.worker.actor import SliceWorker
@@ -89,6 +91,8 @@ class LiveSlice:
     # A sharded layout: every host holds its own blocks of the state, and
     # sends, snapshots and loads them itself (step_runner.senders).
     per_host: bool = False
+    # Processes given up on that its hosts waited to see exit (_gone).
+    predecessors: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -114,7 +118,10 @@ class SliceProvisioner(Protocol):
     def poll(self, p: Provisioning) -> Optional[LiveSlice]:
         """The slice once every host is set up; None while some are not."""
 
-    def kill(self, workers: list) -> None: ...
+    def kill(self, workers: list, infos: Sequence[dict] = ()) -> None:
+        """End the workers; `infos` (pid, started, node_id per host, where
+        known) name their processes, which the slice's next workers on
+        those nodes wait to see exit (worker/predecessors.py)."""
 
     def abandon_group(self, slice_id: int, evict: tuple = ()) -> None:
         """Leave the slice's placement group (a silent node holds a bundle);
@@ -163,6 +170,8 @@ class RaySlices:
         self._abandoned: list = []  # groups left on a silent node, removed once Ray declares it dead
         self._reaped_at = 0.0
         self._evicted: set[str] = set()  # node ids no new group may use
+        self._predecessors: list[Predecessor] = []  # processes given up on: new workers wait for them to exit
+        self._unread: list = []  # the watchers' replies to `end`, held so that Ray does not report them
 
     # -- placement groups -------------------------------------------------
 
@@ -232,7 +241,8 @@ class RaySlices:
             slice_id=slice_id,
             workers=workers,
             info_refs=[w.info.remote() for w in workers],
-            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm, *self._checks) for w in workers],
+            setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm, *self._checks,
+                                       predecessors=tuple(self._predecessors)) for w in workers],
             started_at=time.monotonic(),
         )
 
@@ -252,14 +262,32 @@ class RaySlices:
         setups = ray.get(p.setup_refs)
         per_host = any(bool((r or {}).get("per_host")) for r in setups)
         return LiveSlice(p.slice_id, p.workers, infos, ready_at=time.monotonic(), phases=_phases(setups),
+                         predecessors=_gone(setups),
                          per_host=per_host)
 
-    @staticmethod
-    def kill(workers: list) -> None:
+    def kill(self, workers: list, infos: Sequence[dict] = ()) -> None:
+        gone = [Predecessor(i["pid"], i["started"], i["node_id"]) for i in infos if "started" in i]
+        self._predecessors.extend(gone)
         for w in workers:
             try:
                 ray.kill(w, no_restart=True)
             except Exception:  # already gone
+                pass
+        for p in gone:  # a stopped or GIL-bound process never makes the graceful exit Ray's kill waits for
+            try:
+                self._unread.append(process_state.watcher_for(p.node_id).end.remote(p.pid, p.started))
+            except Exception:  # the node is gone: so is the process
+                pass
+        self._read_done()
+
+    def _read_done(self) -> None:
+        """Read the watchers' replies that came (an error too: its node
+        went, and with it the process), so that Ray reports none."""
+        done, self._unread = ray.wait(self._unread, num_returns=len(self._unread), timeout=0) if self._unread else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception:
                 pass
 
     def abandon_group(self, slice_id: int, evict: tuple = ()) -> None:
@@ -335,6 +363,17 @@ def _phases(setups: list) -> dict:
     if done:
         out["report"] = phase_seconds(max(done), time.time())  # the worker's clock, then the driver's
     return out
+
+
+def _gone(setups: list) -> dict:
+    """The predecessors the slice's hosts waited for: pids, those killed,
+    and the longest wait; empty where there were none."""
+    found = [r["predecessors"] for r in setups if r and r.get("predecessors") is not None]
+    pids = sorted(p for g in found for p in g.pids)
+    if not pids:
+        return {}
+    return {"pids": pids, "killed": sorted(p for g in found for p in g.killed),
+            "waited_s": max(g.waited_s for g in found)}
 
 
 def _remove(pg, tpu_handle) -> None:

@@ -29,9 +29,9 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
-from ray_elastic.control.preflight import check_program
+from ray_elastic.control.preflight import preflight
 from ray_elastic.control.startup import start_timeout
-from ray_elastic.errors import ConfigError, NonFiniteLoss, SliceFailure, SlicePreempted
+from ray_elastic.errors import ConfigError, FailureKind, NonFiniteLoss, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -97,6 +97,7 @@ class Controller:
         self._keep_final_state = keep_final_state
         self.final_state: Optional[dict] = None
         self._final_template = None  # a sharded final state's tree of shapes and dtypes
+        self._needs = None  # what a host needs (preflight's memory estimate), for an out-of-memory failure's cause
         self._provisioner = seams.provisioner
         self._backend = seams.backend
         self._run_name = f"ray_elastic-{uuid.uuid4().hex[:6]}"
@@ -142,8 +143,7 @@ class Controller:
             if self._ckpt:
                 self._ckpt.start_writer()
             backend = self._backend or self._ray_backend()
-            self._injector.slow_down = getattr(backend, "slow_down", None)
-            self._injector.corrupt = getattr(backend, "corrupt", None)
+            self._injector.use(backend)
             self._snapshots = SnapshotStore(fetch=backend.fetch)
             self.members = Membership(
                 backend, self._snapshots, self._event, checkpoints=self._ckpt,
@@ -228,9 +228,8 @@ class Controller:
     def _ray_backend(self) -> SliceBackend:
         from ray_elastic.cluster.ray_backend import RayBackend
 
-        c = self.config
-        # The program runs in the workers; checked here first, before any slice is reserved.
-        check_program(self._factory, c.slice.devices, c.seed, c.shards, self.steps)
+        c = self.config  # the program runs in the workers: checked here first, before any slice is reserved
+        self._needs = preflight(self._factory, c, self.steps)
         return RayBackend(
             c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
@@ -419,10 +418,10 @@ class Controller:
         # Measured from the injected fault, else from its first sign.
         t_fault = fired.at if fired is not None and fired.fault.step == f.step else now
         open_failure = self._handling = OpenFailure(f.slice_id, f.step, t_fault)
-        self._event(
-            "detected", kind=f.kind.value, slice=f.slice_id, host=f.host, step=f.step,
-            detected_s=round(now - t_fault, 4), cause=f.cause,
-        )
+        if f.kind is FailureKind.OOM and self._needs is not None:  # what the node had, beside what the run needs
+            f = f.replace(cause=f"{f.cause}; the run needs {self._needs.text()}")
+        self._event("detected", kind=f.kind.value, slice=f.slice_id, host=f.host, step=f.step,
+                    detected_s=round(now - t_fault, 4), cause=f.cause)
         log.warning("%s", f)
         d = decide(SliceLost(f.slice_id, f.kind, f.step), self._view(), self.config, now)
         self.retries += 1

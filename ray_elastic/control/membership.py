@@ -74,6 +74,8 @@ class Membership:
             self.coming.discard(up.slice_id)
             self.ready.add(up.slice_id)
             extra = {"phases": dict(up.phases)} if getattr(up, "phases", None) else {}
+            if getattr(up, "predecessors", None):
+                extra["predecessors"] = dict(up.predecessors)
             self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s, **extra)
 
     def lose(self, slice_id: int, new_group: bool = False, evict: tuple = (), host: Optional[int] = None) -> None:

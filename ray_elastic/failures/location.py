@@ -22,6 +22,7 @@ import ray
 from ray import exceptions as rex
 
 from ray_elastic.errors import FAILURE_TYPES, FailureKind, SliceFailure
+from ray_elastic.failures import process_state, ray_errors
 from ray_elastic.failures.heartbeats import Heartbeats
 from ray_elastic.failures.internal import InputsAborted, InputsLost
 
@@ -44,6 +45,9 @@ FIRST_STEP_HEARTBEAT_S = 15.0
 # later still (a SIGKILL on a host whose cores are saturated) is named
 # hung, recovered the same way.
 DEATH_NOTICE_S = 0.1
+# How long a node's watcher has to say whether a silent worker is stopped
+# or busy (it answers in milliseconds; a node that does not is silent).
+WATCHER_S = 0.5
 
 
 class Probe(Protocol):
@@ -61,6 +65,11 @@ class Probe(Protocol):
 
     def ping(self, worker: Any, timeout_s: float) -> None:
         """Raise a RayError if the worker does not answer within timeout_s."""
+
+    def process_state(self, node_id: str, pid: int) -> Optional[str]:
+        """The worker process's state as its node's kernel has it
+        (process_state.py: BUSY, STOPPED, GONE), or None where it cannot be
+        asked in time."""
 
 
 def ping_ref(worker: Any):
@@ -81,6 +90,7 @@ class RayProbe:
     def __init__(self, connect_timeout_s: float = 0.5):
         self._connect_timeout_s = connect_timeout_s
         self._raylets: dict[str, tuple[str, int]] = {}  # node -> its raylet's address
+        self._watchers: dict[str, Any] = {}  # node -> its NodeWatcher
 
     def node_alive(self, node_id: str) -> bool:
         return is_node_alive(node_id)
@@ -119,6 +129,17 @@ class RayProbe:
     def ping(self, worker: Any, timeout_s: float) -> None:
         ray.get(ping_ref(worker), timeout=timeout_s)
 
+    def watch(self, node_ids: Iterable[str]) -> None:
+        """Make sure the nodes have their watchers (process_state.py), so a
+        silence on them can be told busy from stopped at once."""
+        for node_id in node_ids:
+            if node_id not in self._watchers:
+                self._watchers[node_id] = process_state.watcher_for(node_id)
+
+    def process_state(self, node_id: str, pid: int) -> Optional[str]:
+        watcher = self._watchers.get(node_id)
+        return None if watcher is None else process_state.ask(watcher, pid, WATCHER_S)
+
     def heartbeats(self, clock: Callable[[], float], timeout_s: float) -> Heartbeats:
         """Heartbeats over Ray's calls: a ping sent, the refs answered."""
         def answered(refs: list) -> list:
@@ -142,7 +163,10 @@ def failure(kind: FailureKind, slice_id: int, host: int, step: int, cause: str, 
 
 
 def short(e: BaseException) -> str:
-    """The first line of an error, for reports and logs."""
+    """The first line of an error, for reports and logs (for running out
+    of memory: what the worker used and the node had)."""
+    if ray_errors.answer(e) is FailureKind.OOM:
+        return ray_errors.memory_summary(e)
     text = str(e).strip().splitlines()
     return (text[0] if text else type(e).__name__)[:300]
 
@@ -164,6 +188,7 @@ class FailureLocator:
         self._sleep = sleep
         self._confirm_s = confirm_s
         self.heartbeats = heartbeats  # None: hangs are found at the step's deadline only
+        self.busy_silences = 0  # silent hosts found running (GIL held), not hung
 
     def node_lost(self, node_id: str) -> bool:
         """The node is gone: Ray says so, or its raylet no longer takes
@@ -172,6 +197,8 @@ class FailureLocator:
         return not self.probe.node_alive(node_id) or not self.probe.raylet_reachable(node_id)
 
     def _kind_of_death(self, exc: BaseException, node_id: str) -> FailureKind:
+        if ray_errors.answer(exc) is FailureKind.OOM:
+            return FailureKind.OOM
         if getattr(exc, "preempted", False):
             return FailureKind.PREEMPTED
         if self.node_lost(node_id):
@@ -179,31 +206,38 @@ class FailureLocator:
         return FailureKind.PROCESS_DIED
 
     def classify(self, exc: BaseException, worker: Any, node_id: str) -> Optional[FailureKind]:
-        """Sort a worker call's error into a FailureKind, or TRANSIENT.
+        """Sort a worker call's error into a FailureKind, or TRANSIENT, by
+        the table of Ray's errors (ray_errors.py).
 
         Errors that are not about the worker's life (a bug in the user's
         loss function, say) are re-raised: retrying them would only fail
         again."""
-        if isinstance(exc, rex.ActorDiedError):
-            return self._kind_of_death(exc, node_id)
-        if isinstance(exc, rex.ActorUnavailableError):
-            end = self._clock() + self._confirm_s
-            while self._clock() < end:
-                if self.node_lost(node_id):
-                    return FailureKind.NODE_DIED
-                try:
-                    self.probe.ping(worker, 0.5)
-                    return TRANSIENT
-                except rex.ActorDiedError as died:
-                    return self._kind_of_death(died, node_id)
-                except (rex.ActorUnavailableError, rex.GetTimeoutError):
-                    self._sleep(0.1)
-            return FailureKind.NODE_DIED if self.node_lost(node_id) else FailureKind.HUNG
-        if isinstance(exc, (rex.ObjectLostError, rex.OwnerDiedError)) or (
-                isinstance(exc, rex.RayTaskError) and isinstance(exc.cause, (InputsLost, InputsAborted))):
+        if isinstance(exc, rex.RayTaskError) and isinstance(exc.cause, (InputsLost, InputsAborted)):
             # A gradient or snapshot held on a lost node: the node is gone.
             return FailureKind.NODE_DIED
-        raise exc
+        kind = ray_errors.answer(exc)
+        if kind is None:
+            raise exc
+        if kind == ray_errors.DEATH:
+            return self._kind_of_death(exc, node_id)
+        if kind == ray_errors.CONFIRM:
+            return self._confirm(worker, node_id)
+        return kind
+
+    def _confirm(self, worker: Any, node_id: str) -> Optional[FailureKind]:
+        """Ray lost touch with the worker: dead, its node gone, or back."""
+        end = self._clock() + self._confirm_s
+        while self._clock() < end:
+            if self.node_lost(node_id):
+                return FailureKind.NODE_DIED
+            try:
+                self.probe.ping(worker, 0.5)
+                return TRANSIENT
+            except rex.ActorDiedError as died:
+                return self._kind_of_death(died, node_id)
+            except (rex.ActorUnavailableError, rex.GetTimeoutError):
+                self._sleep(0.1)
+        return FailureKind.NODE_DIED if self.node_lost(node_id) else FailureKind.HUNG
 
     def classify_call(self, exc: BaseException, live: Mapping, s: int, h: int) -> Optional[FailureKind]:
         sl = live[s]
@@ -281,7 +315,17 @@ class FailureLocator:
             kind = self.classify_call(e, live, s, h)
             if kind is not TRANSIENT:
                 return failure(kind, s, h, step, short(e))
-        return self._quiet_failure(s, h, live, step, f"no heartbeat for {silent_s:.1f} s")
+        info = live[s].infos[h]
+        state = self.probe.process_state(info["node_id"], info["pid"])
+        if state == process_state.GONE:
+            return failure(FailureKind.PROCESS_DIED, s, h, step, f"no heartbeat for {silent_s:.1f} s; its process exited")
+        if state == process_state.BUSY:
+            # Running, its GIL held elsewhere (a long collection, a C call):
+            # it will answer again; the step's deadline still bounds it.
+            self.busy_silences += 1
+            return None
+        why = f"no heartbeat for {silent_s:.1f} s" + (f"; its process is {state}" if state else "")
+        return self._quiet_failure(s, h, live, step, why)
 
     def blame(self, s: int, kind: FailureKind, live: Mapping) -> int:
         """The slice to blame for a failed call: one that lost a node, if

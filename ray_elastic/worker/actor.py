@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
 from ray_elastic.program import TrainProgram
@@ -40,6 +40,7 @@ from ray_elastic.worker.gc_pauses import GcPauses
 from ray_elastic.worker.host_cache import HostCompileCache
 from ray_elastic.worker.inputs import Aborts, fetch_inputs
 from ray_elastic.worker.notices import PreemptionNotice
+from ray_elastic.worker.predecessors import Predecessor, process_started, wait_gone
 from ray_elastic.worker.readiness import readiness_phases
 from ray_elastic.worker.setup import compile_step, free_port, lay_out, start_jax
 from ray_elastic.worker.state import HeldState
@@ -114,6 +115,7 @@ class SliceWorker:
 
         return {
             "pid": os.getpid(),
+            "started": process_started(),  # with the pid, names this process (worker/predecessors.py)
             "node_id": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
         }
@@ -125,19 +127,23 @@ class SliceWorker:
         return f"{ray.util.get_node_ip_address()}:{free_port()}"
 
     def setup(self, coordinator: Optional[str], compile_cache_dir: str = "", warm_workers: int = 0,
-              state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0) -> dict:
+              state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0,
+              predecessors: Sequence[Predecessor] = ()) -> dict:
         """Start JAX, build the program, compile the step (the step-0 state
         is made when first needed); then ask this host's raylet for
         `warm_workers` idle processes for a replacement to start in
         (worker/warm_pool.py), off the set-up's path. The state of every
         `state_check_every`-th step is fingerprinted, and the gradients of
         every `grad_check_every`-th (0: never); `final_step`: the run's
-        last, whose state is fingerprinted within its apply.
+        last, whose state is fingerprinted within its apply. Nothing starts
+        before the `predecessors` on this host's node (workers the driver
+        gave up on) have exited, killed if they still run
+        (worker/predecessors.py): their accelerator memory is then free.
 
         Returns setup_s, devices, per_host (whether the state moves host to
         host: a sharded layout), ready_at and `phases`: seconds per part of
         the way from the actor's creation to ready (readiness.py)."""
-        out = self._setup(coordinator, compile_cache_dir)
+        out = self._setup(coordinator, compile_cache_dir, predecessors)
         out["gc_frozen"] = self._gc.freeze(collect=True)
         self._steps.check_every, self._steps.grad_check_every = state_check_every, grad_check_every
         self._steps.final_step = final_step
@@ -145,9 +151,13 @@ class SliceWorker:
             threading.Thread(target=keep_warm, args=(warm_workers,), daemon=True, name="warm-pool").start()
         return out
 
-    def _setup(self, coordinator: Optional[str], compile_cache_dir: str) -> dict:
+    def _setup(self, coordinator: Optional[str], compile_cache_dir: str, predecessors: Sequence[Predecessor]) -> dict:
         t0 = time.perf_counter()
         marks = [("setup_start", time.time())]
+        import ray
+
+        gone = wait_gone(predecessors, ray.get_runtime_context().get_node_id())
+        marks.append(("predecessors", time.time()))
         devices = start_jax(coordinator, compile_cache_dir, self.hosts, self.host, marks)
         cache = HostCompileCache(compile_cache_dir)  # hosts JAX's own cache misses (host_cache.py)
         self._layout = layout = lay_out(devices, self._factory, self._seed, marks, cache.compile)
@@ -165,7 +175,7 @@ class SliceWorker:
         phases = readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
         return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": phases,
                 "ready_at": marks[-1][1], "per_host": layout.sharded,
-                "host_cache": {"hits": cache.hits, "misses": cache.misses}}
+                "host_cache": {"hits": cache.hits, "misses": cache.misses}, "predecessors": gone}
 
     # -- one step, in two phases -------------------------------------------
 
@@ -302,6 +312,19 @@ class SliceWorker:
         """A `slow` fault (failures/faults.py): every gradient call from now
         on takes `ms` milliseconds longer, as on a straggling host."""
         self._steps.delay_s = ms / 1000.0
+
+    def hold_gil(self, ms: int) -> None:
+        """A `gil` fault (failures/faults.py): hold Python's GIL for `ms`
+        milliseconds in one C call, as a long garbage collection or a C
+        extension does: no thread of this process (pings included) runs
+        Python meanwhile, yet the process is alive and busy."""
+        import ctypes
+
+        class Timespec(ctypes.Structure):
+            _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+        libc = ctypes.PyDLL(None)  # a PyDLL's functions run with the GIL held
+        libc.nanosleep(ctypes.byref(Timespec(ms // 1000, (ms % 1000) * 1_000_000)), None)
 
     def corrupt(self, target: str, lasting: bool) -> None:
         """A `corrupt` fault (failures/faults.py): flip one bit of the
