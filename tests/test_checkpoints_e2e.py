@@ -166,13 +166,15 @@ def test_checkpoint_writer_killed_mid_write_is_recovered(nodes, lm_factory, gcs)
     assert all(s.committed for s in store.steps())
 
 
-def test_sigterm_to_driver_checkpoints_last_step_and_exits_cleanly(tmp_path):
-    """A preemption notice by SIGTERM to the driver: the step in flight
-    finishes, is checkpointed and committed, and the driver exits 0. No
-    completed step is lost."""
+def test_sigterm_to_driver_checkpoints_last_step_and_exits_cleanly(nodes, tmp_path):
+    """A preemption notice by SIGTERM to the driver (a job's driver on a
+    cluster that stays up): the step in flight finishes, is checkpointed
+    and committed, and the driver exits 0. No completed step is lost."""
+    cluster = nodes(2)
     path = str(tmp_path / "ck")
     proc = subprocess.Popen(
-        [sys.executable, DRIVER, "--path", path, "--steps", "400", "--save-every", "50", "--report", str(tmp_path / "r.json")],
+        [sys.executable, DRIVER, "--path", path, "--steps", "400", "--save-every", "50", "--report", str(tmp_path / "r.json"),
+         "--address", cluster.address],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=os.environ.copy(),
     )
     last_step, sent_at, saved_at = 0, None, None

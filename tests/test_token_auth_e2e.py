@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -204,9 +205,9 @@ class TokenHead:
         self.outputs.append(out.stdout + out.stderr)
         return out
 
-    def popen(self, args: list[str], how: str) -> subprocess.Popen:
+    def popen(self, args: list[str], how: str, extra_env: Optional[dict] = None) -> subprocess.Popen:
         return subprocess.Popen(
-            args, env=self.client_env(how), cwd=self.homes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            args, env={**self.client_env(how), **(extra_env or {})}, cwd=self.homes, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, start_new_session=True,
         )
 
@@ -323,8 +324,8 @@ def test_drivers_connect_only_with_the_token(head):
     connected with the token, from the environment or the token file, and
     refused without it. Ray Client (`ray://`) without the token is refused
     by the client server's authentication. Refused connections retry for
-    tens of seconds before they give up, so they run in the background while
-    the others are checked. (Ray Client with the token is not run here: its
+    seconds before they give up, so they run in the background while the
+    others are checked. (Ray Client with the token is not run here: its
     per-client server is slow to start on a loaded machine.)"""
     driver = (
         "import json, ray; ray.init(address={address!r}); "
@@ -332,7 +333,12 @@ def test_drivers_connect_only_with_the_token(head):
     )
     to_gcs = [sys.executable, "-c", driver.format(address=head.gcs)]
     to_client = [sys.executable, "-c", driver.format(address=f"ray://127.0.0.1:{head.client_port}")]
-    refused = {name: head.popen(cmd, "none") for name, cmd in (("gcs", to_gcs), ("ray client", to_client))}
+    # Ray retries a refused connection for 20 s (GCS) and 30 s (Ray
+    # Client) before it gives up: its own budgets, cut here to a few tries
+    # (the refusal each try gets is the same).
+    quick = {"RAY_gcs_server_port_wait_time_s": "3", "RAY_CLIENT_INITIAL_CONNECTION_TIMEOUT_S": "1",
+             "RAY_CLIENT_MAX_CONNECTION_TIMEOUT_S": "1"}
+    refused = {name: head.popen(cmd, "none", extra_env=quick) for name, cmd in (("gcs", to_gcs), ("ray client", to_client))}
     try:
         for how in ("env", "file"):
             out = head.run(to_gcs, how, timeout=150)

@@ -1,5 +1,6 @@
-"""A whole training job in its own process, on its own local cluster: used
-by the tests to lose everything (cold start) and to preempt a driver."""
+"""A whole training job in its own process, on its own local cluster (or,
+with --address, on a running one): used by the tests to lose everything
+(cold start) and to preempt a driver."""
 
 import argparse
 import functools
@@ -18,13 +19,19 @@ def main():
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--save-every", type=int, default=4)
     p.add_argument("--report", required=True)
+    p.add_argument("--address", default="", help="a running cluster to join instead of making one")
     a = p.parse_args()
     from examples import lm
     from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer
     from ray_elastic.cluster.local_cluster import LocalCluster
 
-    cluster = LocalCluster(num_nodes=2)
-    cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    import ray
+
+    cluster = None if a.address else LocalCluster(num_nodes=2)
+    if cluster is None:
+        ray.init(address=a.address, log_to_driver=False, runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    else:
+        cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
 
     def on_step(step, loss, slices):
         print(f"STEP {step} {time.time():.6f}", flush=True)
@@ -44,7 +51,10 @@ def main():
         report = trainer.fit()
         report.write(a.report)
     finally:
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        else:
+            ray.shutdown()
     print("EXIT", report.outcome, flush=True)
 
 
