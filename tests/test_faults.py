@@ -59,7 +59,7 @@ def test_parse_invalid(text):
 
 
 def test_fault_kinds():
-    assert set(FAULT_KINDS) == {"kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt", "gil"}
+    assert set(FAULT_KINDS) == {"kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt", "gil", "oom"}
     assert Fault("gil", 1, 5, ms=5000).ms == 5000
     with pytest.raises(ValueError, match="ms"):
         Fault("gil", 1, 5)

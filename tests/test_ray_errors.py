@@ -27,6 +27,16 @@ OOM_TEXT = (
 )
 
 
+# Ray 2.60's own words (captured from a real kill on this machine).
+OOM_TEXT_260 = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: 5a73) "
+    "was 3.14GB used / 23.54GB limit (0.133489)\nOOM kill reason: Memory usage 3361488896B exceeded threshold of "
+    "3336441600B (13.2% of 25276071936B limit)\nRay killed 1 worker(s) based on the killing policy\n"
+    "Selected to kill: (Actor(0c01): job ID=01000000, task name=A.__init__, pid=23442, actual memory used=1.77GB, "
+    "worker ID=083d)\n"
+)
+
+
 def _died(message: str = "The actor is dead because its worker process has died.") -> rex.ActorDiedError:
     return rex.ActorDiedError(ActorDiedErrorContext(error_message=message, actor_id=b"\x01" * 16, class_name="W"))
 
@@ -34,6 +44,7 @@ def _died(message: str = "The actor is dead because its worker process has died.
 CASES = [
     # (the error, the kind with the host's node alive, the kind with it lost)
     (rex.OutOfMemoryError(OOM_TEXT), FailureKind.OOM, FailureKind.OOM),
+    (rex.OutOfMemoryError(OOM_TEXT_260), FailureKind.OOM, FailureKind.OOM),
     (rex.ObjectStoreFullError("object store full"), FailureKind.OOM, FailureKind.OOM),
     (rex.OutOfDiskError("disk full"), FailureKind.OOM, FailureKind.OOM),
     (_died(), FailureKind.PROCESS_DIED, FailureKind.NODE_DIED),
@@ -77,6 +88,9 @@ def test_a_memory_kill_names_what_the_worker_used_and_the_node_had():
     assert text == ("killed by Ray's memory monitor; the worker used 17.31 GB; the node was at 22.46 GB of "
                     "23.48 GB (kill threshold 0.95)")
     assert short(_died(OOM_TEXT)) == text
+    assert short(rex.OutOfMemoryError(OOM_TEXT_260)) == (
+        "killed by Ray's memory monitor; the worker used 1.77 GB; the node was at 3.14 GB of 23.54 GB "
+        "(kill threshold 0.13)")
     assert "object store full" in short(rex.ObjectStoreFullError("x"))
     f = failure(FailureKind.OOM, 1, 0, 7, text)
     assert isinstance(f, WorkerOutOfMemory) and "(oom)" in str(f)

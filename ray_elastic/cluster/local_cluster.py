@@ -75,11 +75,22 @@ class LocalCluster:
         """Where Ray writes this cluster's process logs."""
         return self.cluster.head_node.get_logs_dir_path()
 
-    def add_node(self) -> str:
+    def add_node(self, env: Optional[dict] = None) -> str:
+        """A new worker node; `env`: variables its raylet starts with (a
+        node's own Ray settings, e.g. RAY_memory_usage_threshold)."""
         # Ray's Node installs its own SIGTERM handler in this process: keep
         # the driver's (the trainer's graceful preempt-and-checkpoint one).
         previous = signal.getsignal(signal.SIGTERM)
-        node = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store)
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})  # the raylet's process inherits this process's environment
+        try:
+            node = self.cluster.add_node(num_cpus=self._cpus, object_store_memory=self._store)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
         self.nodes[node.node_id] = node

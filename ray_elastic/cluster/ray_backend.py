@@ -96,9 +96,10 @@ class RayBackend:
                     ) from e
                 self._restart(s, e)
                 continue
-            except rex.ObjectLostError as e:
+            except (rex.ObjectLostError, rex.OutOfMemoryError, rex.WorkerCrashedError, rex.NodeDiedError) as e:
                 # The replacement itself died while starting (its node went
-                # away, say): queue it again on the same placement group.
+                # away, Ray's memory monitor killed it): queue it again on the
+                # same placement group (within the policy's timeout_s).
                 self._restart(s, e)
                 continue
             if live is not None:
@@ -113,7 +114,7 @@ class RayBackend:
         return self._slices.placement_group_state(slice_id) == "CREATED"
 
     def _restart(self, s: int, e: BaseException) -> None:
-        log.warning("replacement for slice %d failed to start: %s", s, e)
+        log.warning("replacement for slice %d failed to start: %s", s, short(e))
         self.start(s)
 
     def retire(self, slice_id: int) -> None:
@@ -142,6 +143,12 @@ class RayBackend:
         for: the step goes on around it. Its reply is read once it comes."""
         worker = self._up[slice_id].workers[host]
         self.runner.unread.add(worker.hold_gil.options(concurrency_group="control").remote(ms))
+
+    def eat_memory(self, slice_id: int, host: int, mb: int) -> None:
+        """Have a worker allocate `mb` megabytes for a while (an `oom`
+        fault); not waited for. Its reply (or the kill) is read once it comes."""
+        worker = self._up[slice_id].workers[host]
+        self.runner.unread.add(worker.eat_memory.options(concurrency_group="control").remote(mb))
 
     def corrupt(self, slice_id: int, host: int, target: str, lasting: bool) -> None:
         worker = self._up[slice_id].workers[host]

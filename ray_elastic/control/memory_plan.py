@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from ray_elastic.cluster.node_memory import Machine
 from ray_elastic.errors import ConfigError
 
-__all__ = ["GB", "HostNeeds", "Machine", "check_fits", "host_needs", "tree_bytes"]
+__all__ = ["GB", "HostNeeds", "Machine", "check_fits", "host_needs", "size", "tree_bytes"]
 
 GB = 1e9
 
@@ -49,9 +49,14 @@ class HostNeeds:
 
     def text(self) -> str:
         where = "host memory" if self.on_host else "device memory"
-        return (f"at least {self.host / GB:.2f} GB of host memory per host (state {self.state / GB:.2f} GB and "
-                f"gradient {self.grads / GB:.2f} GB in {where}; {self.store / GB:.2f} GB in the object store "
+        return (f"at least {size(self.host)} of host memory per host (state {size(self.state)} and "
+                f"gradient {size(self.grads)} in {where}; {size(self.store)} in the object store "
                 "for a snapshot copy and the step's gradients)")
+
+
+def size(n: float) -> str:
+    """Bytes as a reader takes them in: MB below a GB, else GB."""
+    return f"{n / 1e6:.1f} MB" if n < GB else f"{n / GB:.2f} GB"
 
 
 def tree_bytes(tree: Any) -> int:

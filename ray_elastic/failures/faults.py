@@ -19,7 +19,7 @@ from ray_elastic.errors import ConfigError
 
 __all__ = ["CORRUPT_TARGETS", "Fault", "FaultInjector", "FAULT_KINDS", "FAULT_PHASES", "check_faults"]
 
-FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt", "gil")
+FAULT_KINDS = ("kill", "remove_node", "stop", "term", "freeze_node", "slow", "corrupt", "gil", "oom")
 # What a `corrupt` fault flips a bit of: the state the apply makes (on one
 # device), or a gradient the slice sends; "+": at every step from then on;
 # "check": the slice's next cross-check computation only (a glitch in a
@@ -49,6 +49,9 @@ class Fault:
     gil: the worker holds Python's GIL for `ms` milliseconds in one C call
     (a long garbage collection, a C extension that keeps it): alive and
     busy, answering nothing meanwhile; not a failure.
+    oom: the worker allocates `ms` megabytes of host memory (a leak), holds
+    them 3 s and lets them go; where that takes its node past Ray's memory
+    threshold, Ray's memory monitor kills it (a failure of kind `oom`).
     `phase`: the moment of the step it fires at (FAULT_PHASES).
     """
 
@@ -67,9 +70,10 @@ class Fault:
             raise ConfigError("faults", "fault slice, step and host must be >= 0")
         if self.phase not in FAULT_PHASES:
             raise ConfigError("faults", f"fault phase {self.phase!r}: use one of {FAULT_PHASES}")
-        if (self.kind in ("slow", "gil")) != (self.ms > 0):
+        if (self.kind in ("slow", "gil", "oom")) != (self.ms > 0):
             raise ConfigError("faults", f"fault {self.kind!r}: ms (milliseconds added per step for 'slow', the GIL "
-                              f"held for 'gil') must be > 0 for those two and is for them only, got {self.ms}")
+                              f"held for 'gil', megabytes for 'oom') must be > 0 for those and is for them only, "
+                              f"got {self.ms}")
         if (self.kind == "corrupt") != bool(self.target) or (self.target and self.target not in CORRUPT_TARGETS):
             raise ConfigError("faults", f"fault {self.kind!r}: target must be one of {CORRUPT_TARGETS} for "
                               f"'corrupt' and is for 'corrupt' only, got {self.target!r}")
@@ -134,6 +138,7 @@ class FaultInjector:
         self.slow_down: Optional[Callable[[int, int, int], None]] = None
         self.corrupt: Optional[Callable[[int, int, str, bool], None]] = None
         self.hold_gil: Optional[Callable[[int, int, int], None]] = None  # (slice, host, ms)
+        self.eat_memory: Optional[Callable[[int, int, int], None]] = None  # (slice, host, megabytes)
         for kind, action in self._node_actions.items():
             if action is None and any(f.kind == kind for f in faults):
                 raise ConfigError("faults", f"a {kind} fault needs a cluster that can do it ({kind}=...)")
@@ -143,6 +148,7 @@ class FaultInjector:
         self.slow_down = getattr(backend, "slow_down", None)
         self.corrupt = getattr(backend, "corrupt", None)
         self.hold_gil = getattr(backend, "hold_gil", None)
+        self.eat_memory = getattr(backend, "eat_memory", None)
 
     def fire_due(self, step: int, hosts: dict, phase: str = "grads") -> list[Fired]:
         """Fire every fault due at `step`'s `phase` on a live slice. `hosts`
@@ -170,6 +176,10 @@ class FaultInjector:
                 if self.hold_gil is None:
                     raise ConfigError("faults", "a gil fault needs a backend that can reach a worker")
                 self.hold_gil(f.slice_id, f.host, f.ms)
+            elif f.kind == "oom":
+                if self.eat_memory is None:
+                    raise ConfigError("faults", "an oom fault needs a backend that can reach a worker")
+                self.eat_memory(f.slice_id, f.host, f.ms)
             elif f.kind == "corrupt":
                 if self.corrupt is None:
                     raise ConfigError("faults", "a corrupt fault needs a backend that can corrupt a worker")

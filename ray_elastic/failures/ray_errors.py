@@ -57,11 +57,14 @@ RAY_ERRORS: tuple[tuple[type, Union[FailureKind, str]], ...] = (
     (rex.GetTimeoutError, FailureKind.HUNG),
 )
 
-# How Ray's memory monitor words a kill (node_manager's message), in the
-# error of a call in flight and in the death cause of the actor.
+# How Ray's memory monitor words a kill (node_manager's message, Ray 2.60;
+# the older wording too), in the error of a call in flight and in the
+# death cause of the actor.
 _OOM_WORDS = ("running low on memory", "memory monitor", "killed due to memory")
-_NODE_MEMORY = re.compile(r"was ([\d.]+)\s*GB\s*/\s*([\d.]+)\s*GB\s*\(([\d.]+)\), which exceeds the memory usage "
-                          r"threshold of (\d+(?:\.\d+)?)")
+_NODE_MEMORY = (re.compile(r"was ([\d.]+)\s*GB used\s*/\s*([\d.]+)\s*GB limit"),
+                re.compile(r"was ([\d.]+)\s*GB\s*/\s*([\d.]+)\s*GB\s*\("))
+_THRESHOLD = (re.compile(r"threshold of \d+B \(([\d.]+)% of"),
+              re.compile(r"memory usage threshold of (\d+(?:\.\d+)?)"))
 _WORKER_MEMORY = re.compile(r"memory used=([\d.]+)\s*GB")
 
 
@@ -88,11 +91,15 @@ def memory_summary(exc: BaseException) -> str:
         what = "object store full" if isinstance(exc, rex.ObjectStoreFullError) else "object store and spill disk full"
         return f"{what} on the host's node: {text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__}"
     parts = ["killed by Ray's memory monitor"]
-    used = _WORKER_MEMORY.search(text)
-    if used:
-        parts.append(f"the worker used {float(used.group(1)):.2f} GB")
-    node = _NODE_MEMORY.search(text)
+    used = [float(x) for x in _WORKER_MEMORY.findall(text)]
+    if used:  # the workers it chose to kill: the largest is the one that grew
+        parts.append(f"the worker used {max(used):.2f} GB")
+    node = next((m for m in (r.search(text) for r in _NODE_MEMORY) if m), None)
     if node:
-        parts.append(f"the node was at {float(node.group(1)):.2f} GB of {float(node.group(2)):.2f} GB "
-                     f"(kill threshold {float(node.group(4)):.2f})")
-    return ": ".join(parts[:1]) + ("; " + "; ".join(parts[1:]) if parts[1:] else "")
+        at = f"the node was at {float(node.group(1)):.2f} GB of {float(node.group(2)):.2f} GB"
+        limit = next((m for m in (r.search(text) for r in _THRESHOLD) if m), None)
+        if limit:
+            value = float(limit.group(1))
+            at += f" (kill threshold {value / 100 if value > 1 else value:.2f})"
+        parts.append(at)
+    return parts[0] + ("; " + "; ".join(parts[1:]) if parts[1:] else "")

@@ -326,6 +326,16 @@ class SliceWorker:
         libc = ctypes.PyDLL(None)  # a PyDLL's functions run with the GIL held
         libc.nanosleep(ctypes.byref(Timespec(ms // 1000, (ms % 1000) * 1_000_000)), None)
 
+    def eat_memory(self, mb: int) -> None:
+        """An `oom` fault (failures/faults.py): allocate and touch `mb`
+        megabytes in 64 MB pieces, hold them 3 s, let them go: a leak that
+        Ray's memory monitor may end by killing this process."""
+        import numpy as np
+
+        held = [np.ones(64 * 2**20, dtype=np.uint8) for _ in range(max(1, mb // 64))]
+        time.sleep(3.0)
+        del held
+
     def corrupt(self, target: str, lasting: bool) -> None:
         """A `corrupt` fault (failures/faults.py): flip one bit of the
         next apply's new state on one device ("state"), of the next

@@ -1,0 +1,49 @@
+"""Ray's memory monitor kills a real worker (a node whose raylet runs with
+a memory threshold just above what the machine uses, a real leak in the
+worker past it): the failure is of kind `oom`, its cause names what the
+worker used and the node had beside what the run needs, and the run
+recovers by policy. tests/test_ray_errors.py has every other error Ray
+documents for a step's calls."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from ray_elastic import ElasticConfig, ElasticTrainer, Fault
+
+pytestmark = pytest.mark.cluster
+
+LEAK_MB = 3000
+STEPS = 40  # the leak takes a second or two to grow: the run goes on meanwhile
+
+
+def test_a_worker_killed_by_rays_memory_monitor_is_an_oom_failure_the_run_recovers_from(cluster, lm_factory):
+    cluster.ensure_nodes(1)
+    vm = psutil.virtual_memory()
+    used = (vm.total - vm.available) / vm.total
+    # 1 GB past what the machine uses: the run's own growth (its workers
+    # starting) stays under it, the leak takes the node over it.
+    threshold = min(0.9, used + 1.0e9 / vm.total)
+    tight = cluster.add_node(env={"RAY_memory_usage_threshold": f"{threshold:.4f}",
+                                  "RAY_memory_monitor_refresh_ms": "100"})
+    try:
+        on_tight = None
+
+        def where(e):
+            nonlocal on_tight
+            if e["event"] == "start":
+                on_tight = next(s for s in (0, 1) if trainer.hosts(s)[0]["node_id"] == tight)
+
+        trainer = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="resize", timeout_s=120), STEPS,
+                                 faults=(Fault("oom", 0, 5, ms=LEAK_MB), Fault("oom", 1, 5, ms=LEAK_MB)),
+                                 on_event=where)
+        report = trainer.fit()
+    finally:
+        if tight in cluster.nodes:
+            cluster.remove_node(tight)
+    assert report.steps_completed == STEPS
+    (f,) = report.failures
+    assert f.kind == "oom" and f.slice == on_tight, (f, on_tight)
+    assert "killed by Ray's memory monitor" in f.cause and "the node was at" in f.cause, f.cause
+    assert "the run needs at least" in f.cause, f.cause
