@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -46,7 +46,12 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - falsealarms: every demo command the README and docs give (each example,
   layout and policy, with and without spares), no fault injected,
   alternated: failures per run (all must be 0) and the step times' median,
-  mean and p99 (`--steps`, default 200; `--runs`; `--variants`).
+  mean and p99 (`--steps`, default 200; `--runs`; `--variants`);
+- accel: the example LM at 341M parameters on this machine's GPU, plain
+  JAX against ray_elastic on 1 slice, 2 slices sharing the GPU, and 2 with
+  a SIGKILL under resize, alternated (`--steps`, default 40; `--runs`
+  rounds, default 1; `--fail-at`, default 20); `--cpu`: the same on a
+  2-node local cluster at a small size.
 """
 
 from __future__ import annotations
@@ -67,7 +72,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity",
-                                                                     "falsealarms"))
+                                                                     "falsealarms", "accel"))
+    parser.add_argument("--cpu", action="store_true", help="accel: CPU slices on a local cluster, a small model")
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
@@ -129,6 +135,19 @@ def main(argv=None) -> int:
         text = core.table(result)
         print(text)
         write_result(args.out, "core", result, text)
+        return 0
+
+    if args.suite == "accel":
+        from bench import accel
+
+        cluster = accel.start(args.cpu)
+        try:
+            result = accel.run(args.cpu, steps=args.steps or 40, rounds=args.runs or 1, fail_at=args.fail_at or 20)
+        finally:
+            accel.stop(cluster)
+        text = accel.table(result)
+        print(text)
+        write_result(args.out, "accel", result, text)
         return 0
 
     if args.suite == "falsealarms":

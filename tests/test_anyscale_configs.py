@@ -291,7 +291,7 @@ def cluster_problems(config: ComputeConfig, entrypoint: str) -> list[str]:
         (group,) = gpu
         required = group.required_resources
         if bundles[0].get("GPU") != required.GPU:
-            problems.append(f"--gpus-per-host {args.gpus_per_host} != GPU {required.GPU} per node")
+            problems.append(f"--gpus-per-host {args.gpus_per_host:g} != GPU {required.GPU} per node")
         label = (group.required_labels or {}).get(ACCELERATOR_LABEL)
         if required.accelerator and label and label != required.accelerator:
             problems.append(f"{group.name}: {ACCELERATOR_LABEL} {label!r} != accelerator {required.accelerator!r}")

@@ -235,3 +235,24 @@ def test_contract_tiny(cluster, tmp_path):
     with open(files["md"]) as f:
         md = f.read()
     assert "| median |" in md and "new / today" in md and "peak private (RssAnon)" in md
+
+
+@pytest.mark.slow
+def test_accel_cpu_tiny(cluster, nodes):
+    """`python -m bench accel --cpu` on the session's cluster: every variant
+    runs its steps, the kill is recovered with nothing redone, the slices
+    count what crossed between them, and the table has every variant."""
+    from bench import accel
+
+    nodes(2)
+    result = accel.run(cpu=True, steps=12, rounds=1, fail_at=6, log=lambda *a: None)
+    v = result["variants"]
+    assert set(v) == set(accel.VARIANTS)
+    assert all(len(r["step_times"]) == 12 for runs in result["raw"].values() for r in runs)
+    assert v["plain"]["ratio_to_plain"] == 1.0 and v["plain"]["cross_bytes_per_step"] == 0
+    assert v["one_slice"]["cross_bytes_per_step"] == 0 and v["two_slices"]["cross_bytes_per_step"] > 0
+    assert v["two_slices"]["failure_count"] == 0 and v["one_slice"]["failure_count"] == 0
+    assert v["two_slices_kill"]["failures"] == ["process_died"] and v["two_slices_kill"]["steps_redone"] == 0
+    assert all(f["host_peak_bytes"] > 0 for f in v.values())
+    text = accel.table(result)
+    assert all(f"| {name} |" in text for name in accel.VARIANTS)

@@ -23,6 +23,7 @@ from ray_elastic.errors import (
     SlicePreempted,
     WorkerHung,
     WorkerProcessDied,
+    WorkerOutOfMemory,
 )
 
 SLICE_FAILURES = [SliceFailure, WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted]
@@ -106,7 +107,8 @@ def test_failure_kind_roundtrip(roundtrip):
 
 
 def test_slice_failure_kinds_distinct_and_cover_failure_kind():
-    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted, SliceCorrupted, SliceStraggling]
+    subclasses = [WorkerProcessDied, NodeDied, WorkerHung, SlicePreempted, SliceCorrupted, SliceStraggling,
+                  WorkerOutOfMemory]
     kinds = [c.kind for c in subclasses]
     assert len(set(kinds)) == len(kinds)
     assert set(kinds) == set(FailureKind)

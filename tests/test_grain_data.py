@@ -528,8 +528,8 @@ def test_check_program_factory_must_return_a_train_program():
 
 
 def test_check_program_passes_a_good_program():
-    assert check_program(lambda: _data_program(rows=8, layout=DATA4), 4, 0, 2, 10) is None
-    assert check_program(lambda: _data_program(rows=8), 8, 0, 5, 10) is None  # default layout: data over 8
+    assert isinstance(check_program(lambda: _data_program(rows=8, layout=DATA4), 4, 0, 2, 10), TrainProgram)
+    assert isinstance(check_program(lambda: _data_program(rows=8), 8, 0, 5, 10), TrainProgram)  # data over 8
     with pytest.raises(ConfigError) as e:  # a mesh of 4 on a slice of 8
         check_program(lambda: _data_program(rows=8, layout=DATA4), 8, 0, 2, 10)
     assert e.value.setting == "layout.mesh"

@@ -138,7 +138,12 @@ class RayProbe:
 
     def process_state(self, node_id: str, pid: int) -> Optional[str]:
         watcher = self._watchers.get(node_id)
-        return None if watcher is None else process_state.ask(watcher, pid, WATCHER_S)
+        state = None if watcher is None else process_state.ask(watcher, pid, WATCHER_S)
+        if state is None and watcher is not None:
+            # Not answering: busy starting, its node silent, or it died (Ray's
+            # memory monitor may pick it): asked for again, made anew if gone.
+            self._watchers[node_id] = process_state.watcher_for(node_id)
+        return state
 
     def heartbeats(self, clock: Callable[[], float], timeout_s: float) -> Heartbeats:
         """Heartbeats over Ray's calls: a ping sent, the refs answered."""

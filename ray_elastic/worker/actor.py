@@ -247,6 +247,17 @@ class SliceWorker:
         so owns the state's copy, which outlives this process on its node."""
         return self._transfer.finish_snapshot(step + 1)
 
+    def device_memory(self) -> dict:
+        """This host's devices' memory as JAX counts it (peak_bytes_in_use,
+        bytes_in_use: the largest over its devices; None where the backend
+        keeps no count, as on CPU)."""
+        import jax
+
+        stats = [d.memory_stats() or {} for d in jax.local_devices()]
+        peak = [s["peak_bytes_in_use"] for s in stats if "peak_bytes_in_use" in s]
+        now = [s["bytes_in_use"] for s in stats if "bytes_in_use" in s]
+        return {"peak_bytes_in_use": max(peak) if peak else None, "bytes_in_use": max(now) if now else None}
+
     def exchange_stats(self) -> dict:
         """Cross-slice exchange counters since start: applies, bytes of
         gradient blocks received from other slices' hosts, bytes of this
