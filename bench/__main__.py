@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel|sizes] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -51,7 +51,10 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   JAX against ray_elastic on 1 slice, 2 slices sharing the GPU, and 2 with
   a SIGKILL under resize, alternated (`--steps`, default 40; `--runs`
   rounds, default 1; `--fail-at`, default 20); `--cpu`: the same on a
-  2-node local cluster at a small size.
+  2-node local cluster at a small size;
+- sizes: states of 0.3, 1 and 2 GB with short steps on CPU, 2 slices
+  against a plain 2-process jax.distributed job, alternated, and a SIGKILL
+  at 2 GB (`--steps`, default 12; `--quick`: 0.3 GB only, no kill).
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity",
-                                                                     "falsealarms", "accel"))
+                                                                     "falsealarms", "accel", "sizes"))
     parser.add_argument("--cpu", action="store_true", help="accel: CPU slices on a local cluster, a small model")
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
@@ -148,6 +151,19 @@ def main(argv=None) -> int:
         text = accel.table(result)
         print(text)
         write_result(args.out, "accel", result, text)
+        return 0
+
+    if args.suite == "sizes":
+        from bench import sizes
+
+        cluster = start_cluster(2, object_store_mb=4000)  # a 2 GB state's snapshot copies and gradients
+        try:
+            result = sizes.run(steps=args.steps or 12, quick=args.quick, kill=not args.quick)
+        finally:
+            cluster.shutdown()
+        text = sizes.table(result)
+        print(text)
+        write_result(args.out, "sizes", result, text)
         return 0
 
     if args.suite == "falsealarms":

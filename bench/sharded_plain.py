@@ -1,7 +1,9 @@
-"""The plain JAX reference of `python -m bench sharded`: one
-`jax.distributed` job of 4 processes (2 slices x 2 hosts, one CPU device
-each, gloo collectives) whose global mesh is `slice` x `fsdp`, so XLA runs
-every collective, the cross-slice gradient all-reduce included.
+"""The plain JAX reference of `python -m bench sharded` and `python -m
+bench sizes`: one `jax.distributed` job of slices x hosts processes (2 x 2
+by default, one CPU device each, gloo collectives) whose global mesh is
+`slice` x `fsdp`, so XLA runs every collective, the cross-slice gradient
+all-reduce included. `--layout replicated`: the params replicated
+everywhere (the example's default layout), as in `bench sizes`.
 
 Same model, params sharding (the example's FSDP logical rules, `fsdp`
 inside a slice, replicated over `slice`), optimizer (`program.optimizer`,
@@ -42,7 +44,11 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="")
+    p.add_argument("--slices", type=int, default=SLICES)
+    p.add_argument("--hosts", type=int, default=HOSTS)
+    p.add_argument("--layout", choices=("fsdp", "replicated"), default="fsdp")
     args = p.parse_args(argv)
+    slices, hosts = args.slices, args.hosts
 
     import jax
 
@@ -51,7 +57,7 @@ def main(argv=None) -> int:
         jax.config.update("jax_compilation_cache_dir", os.environ["BENCH_COMPILE_CACHE"])
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.distributed.initialize(args.coordinator, num_processes=SLICES * HOSTS, process_id=args.process_id)
+    jax.distributed.initialize(args.coordinator, num_processes=slices * hosts, process_id=args.process_id)
     import numpy as np
     import optax
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -61,13 +67,15 @@ def main(argv=None) -> int:
     from ray_elastic.layout import resolve_param_specs
 
     config = lm.LMConfig(**json.loads(args.config))
-    program = lm.make_program(config, lm.sharded_layout("fsdp"))
+    program = lm.make_program(config, lm.sharded_layout("fsdp")) if args.layout == "fsdp" else lm.make_program(config)
     devices = jax.devices()  # process order: slice-major, then host
-    mesh = Mesh(np.array(devices).reshape(SLICES, HOSTS), ("slice", "fsdp"))
+    mesh = Mesh(np.array(devices).reshape(slices, hosts), ("slice", "fsdp"))
     is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
     rng = jax.random.PRNGKey(args.seed)
     abstract = jax.eval_shape(program.init_params, rng)
     specs = resolve_param_specs(program.layout, abstract)  # embed -> fsdp; replicated over slice
+    if specs is None:  # the replicated layout
+        specs = jax.tree.map(lambda _: PartitionSpec(), abstract)
     o_specs = optax.tree_map_params(
         program.optimizer, lambda _, spec: spec, jax.eval_shape(program.optimizer.init, abstract), specs,
         transform_non_params=lambda v: jax.tree.map(lambda _: PartitionSpec(), v), is_leaf=is_spec,
@@ -84,11 +92,11 @@ def main(argv=None) -> int:
         updates, opt_state = program.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    slice_id, host = divmod(args.process_id, HOSTS)
+    slice_id, host = divmod(args.process_id, hosts)
 
     def local_batch(step: int) -> dict:
-        full = program.make_batch(args.seed, step, slice_id, SLICES)
-        return {k: np.asarray(v)[host_rows(np.asarray(v).shape[0], host, HOSTS)] for k, v in full.items()}
+        full = program.make_batch(args.seed, step, slice_id, slices)
+        return {k: np.asarray(v)[host_rows(np.asarray(v).shape[0], host, hosts)] for k, v in full.items()}
 
     def global_batch(step: int) -> dict:
         return {k: jax.make_array_from_process_local_data(batch_sh, v) for k, v in local_batch(step).items()}

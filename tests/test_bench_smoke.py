@@ -256,3 +256,17 @@ def test_accel_cpu_tiny(cluster, nodes):
     assert all(f["host_peak_bytes"] > 0 for f in v.values())
     text = accel.table(result)
     assert all(f"| {name} |" in text for name in accel.VARIANTS)
+
+
+@pytest.mark.slow
+def test_sizes_quick(cluster, nodes):
+    """`python -m bench sizes --quick`: the smallest state, ray_elastic and
+    the plain 2-process job, both trained, figures and table in shape."""
+    from bench import sizes
+
+    nodes(2)
+    result = sizes.run(steps=5, quick=True, kill=False, log=lambda *a: None)
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"ray_elastic", "plain"} and all(r["failures"] == [] for r in rows.values())
+    assert 0.25 < rows["plain"]["state_gb"] < 0.35 and all(r["peak_gb"] > rows["plain"]["state_gb"] for r in rows.values())
+    assert "| 0.30 GB | ray_elastic |" in sizes.table(result)
