@@ -43,7 +43,10 @@ def test_a_worker_killed_by_rays_memory_monitor_is_an_oom_failure_the_run_recove
         if tight in cluster.nodes:
             cluster.remove_node(tight)
     assert report.steps_completed == STEPS
-    (f,) = report.failures
-    assert f.kind == "oom" and f.slice == on_tight, (f, on_tight)
+    # The tight node's worker (a replacement killed again there too, on a
+    # machine whose memory moved meanwhile): nothing else.
+    assert report.failures and all(x.kind == "oom" and x.slice == on_tight for x in report.failures), \
+        (report.failures, on_tight)
+    f = report.failures[0]
     assert "killed by Ray's memory monitor" in f.cause and "the node was at" in f.cause, f.cause
     assert "the run needs at least" in f.cause, f.cause

@@ -136,8 +136,10 @@ class RayProbe:
             if node_id not in self._watchers:
                 self._watchers[node_id] = process_state.watcher_for(node_id)
 
-    def process_state(self, node_id: str, pid: int) -> Optional[str]:
+    def process_state(self, node_id: str, pid: Optional[int]) -> Optional[str]:
         watcher = self._watchers.get(node_id)
+        if pid is None:  # a simulated worker (the scale bench's): no process to ask of
+            return None
         state = None if watcher is None else process_state.ask(watcher, pid, WATCHER_S)
         if state is None and watcher is not None:
             # Not answering: busy starting, its node silent, or it died (Ray's
