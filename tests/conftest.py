@@ -24,7 +24,14 @@ def cluster():
     from ray_elastic.cluster.local_cluster import LocalCluster
 
     c = LocalCluster(num_nodes=2)
-    c.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    # The driver (this process) reports its metrics every 2 s, not Ray's
+    # 10 s, so the Prometheus test sees them move sooner; set for the
+    # connect only, so no node or worker started later inherits it.
+    os.environ["RAY_metrics_report_interval_ms"] = "2000"
+    try:
+        c.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    finally:
+        os.environ.pop("RAY_metrics_report_interval_ms", None)
     yield c
     c.shutdown()
 
