@@ -134,17 +134,29 @@ class RayProbe:
         silence on them can be told busy from stopped at once."""
         for node_id in node_ids:
             if node_id not in self._watchers:
-                self._watchers[node_id] = process_state.watcher_for(node_id)
+                watcher = process_state.watcher_for(node_id)
+                # Its first answer says it is up: until then it is not asked
+                # (a question would wait for its process to start).
+                self._watchers[node_id] = [watcher, watcher.state.remote(0)]
 
     def process_state(self, node_id: str, pid: Optional[int]) -> Optional[str]:
-        watcher = self._watchers.get(node_id)
-        if pid is None:  # a simulated worker (the scale bench's): no process to ask of
+        if pid is None or node_id not in self._watchers:  # a simulated worker (the scale bench's), or no watcher
             return None
-        state = None if watcher is None else process_state.ask(watcher, pid, WATCHER_S)
-        if state is None and watcher is not None:
-            # Not answering: busy starting, its node silent, or it died (Ray's
-            # memory monitor may pick it): asked for again, made anew if gone.
-            self._watchers[node_id] = process_state.watcher_for(node_id)
+        watcher, up = self._watchers[node_id]
+        if up is not None:
+            if not ray.wait([up], timeout=0)[0]:
+                return None  # still starting: the silence is judged as without it
+            self._watchers[node_id][1] = None
+            try:
+                ray.get(up, timeout=0)  # read (an error too), so that Ray reports nothing of it
+            except rex.RayError:
+                pass
+        state = process_state.ask(watcher, pid, WATCHER_S)
+        if state is None:
+            # Not answering: its node silent, or it died (Ray's memory
+            # monitor may pick it): made anew for the next silence.
+            self._watchers.pop(node_id)
+            self.watch([node_id])
         return state
 
     def heartbeats(self, clock: Callable[[], float], timeout_s: float) -> Heartbeats:
