@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel|sizes] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel|sizes|exchange] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -54,7 +54,13 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   2-node local cluster at a small size;
 - sizes: states of 0.3, 1 and 2 GB with short steps on CPU, 2 slices
   against a plain 2-process jax.distributed job, alternated, and a SIGKILL
-  at 2 GB (`--steps`, default 12; `--quick`: 0.3 GB only, no kill).
+  at 2 GB (`--steps`, default 12; `--quick`: 0.3 GB only, no kill);
+- exchange: the cross-slice exchange, the direct hand-off against the
+  reduce-scatter and all-gather, alternated, at 2, 4 and 8 slices
+  (`--sizes`) and 1 and 4 shards per slice, and bfloat16 on the wire:
+  bytes per host per step against the ring bound, the exchange's seconds,
+  step time, peak memory (`--steps`, default 12; `--runs` rounds,
+  default 1); `--big`: the 2 GB state on 2 slices (`--runs`, default 2).
 """
 
 from __future__ import annotations
@@ -75,8 +81,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity",
-                                                                     "falsealarms", "accel", "sizes"))
+                                                                     "falsealarms", "accel", "sizes", "exchange"))
     parser.add_argument("--cpu", action="store_true", help="accel: CPU slices on a local cluster, a small model")
+    parser.add_argument("--big", action="store_true", help="exchange: the 2 GB state on 2 slices only")
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
     parser.add_argument("--runs", type=int, default=None, help="compare: runs per cell (quick 1, full 3); detect: runs (3); ready: replacements per variant (5); "
@@ -97,7 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--overhead-pairs", type=int, default=None,
                         help="compare: alternated rounds for the overheads (quick 2, full 5; 0: skip)")
     parser.add_argument("--sizes", type=lambda t: [int(x) for x in _csv(t)], default=None,
-                        help="scale: slice counts (default 16,64,256,1024)")
+                        help="scale: slice counts (default 16,64,256,1024); exchange: slice counts (default 2,4,8)")
     parser.add_argument("--patterns", type=_csv, default=None,
                         help="scale --floor: call patterns (default today,folded,bare,grouped)")
     parser.add_argument("--step-s", type=float, default=None,
@@ -164,6 +171,27 @@ def main(argv=None) -> int:
         text = sizes.table(result)
         print(text)
         write_result(args.out, "sizes", result, text)
+        return 0
+
+    if args.suite == "exchange":
+        from bench import exchange
+
+        if args.big:
+            cluster = start_cluster(2, object_store_mb=4000)  # as bench sizes
+            try:
+                result = exchange.run_big(steps=args.steps or 12, rounds=args.runs or 2)
+            finally:
+                cluster.shutdown()
+        else:
+            cluster = start_cluster(2)
+            try:
+                result = exchange.run(cluster, steps=args.steps or 12, rounds=args.runs or 1,
+                                      slices=args.sizes or exchange.SLICES)
+            finally:
+                cluster.shutdown()
+        text = exchange.table(result)
+        print(text)
+        write_result(args.out, "exchange-big" if args.big else "exchange", result, text)
         return 0
 
     if args.suite == "falsealarms":

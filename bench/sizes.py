@@ -94,12 +94,13 @@ def plain_run(config, steps: int, timeout_s: float = 1800.0) -> dict:
             "steps_redone": 0}
 
 
-def elastic_run(config, steps: int, kill_at: int = 0) -> dict:
+def elastic_run(config, steps: int, kill_at: int = 0, exchange: str = "reduce_scatter") -> dict:
     import examples.lm as lm
     from ray_elastic import Callback, ElasticConfig, ElasticTrainer, Fault
 
     cfg = ElasticConfig(num_slices=SLICES, policy="resize" if kill_at else "pause",
-                        min_slices=1 if kill_at else None, first_step_deadline_s=600.0, timeout_s=600.0)
+                        min_slices=1 if kill_at else None, first_step_deadline_s=600.0, timeout_s=600.0,
+                        exchange=exchange)
     seen: dict = {}
 
     class Probe(Callback):
@@ -123,7 +124,7 @@ def elastic_run(config, steps: int, kill_at: int = 0) -> dict:
             "steps_redone": sum(f.steps_rewound for f in report.failures)}
 
 
-def _figures(r: dict) -> dict:
+def figures(r: dict) -> dict:
     t = r["step_times"][SKIP:]
     return {"median_step_s": statistics.median(t), "mean_step_s": statistics.fmean(t), "peak_gb": r["peak_bytes"] / 1e9,
             "failures": r["failures"], "steps_redone": r["steps_redone"]}
@@ -138,13 +139,13 @@ def run(steps: int, quick: bool = False, kill: bool = True, log=print) -> dict:
         for variant in ("ray_elastic", "plain"):  # alternated, size by size
             log(f"{name} ({gb:.2f} GB): {variant}")
             r = elastic_run(config, steps) if variant == "ray_elastic" else plain_run(config, steps)
-            rows.append({"size": name, "state_gb": gb, "variant": variant, **_figures(r)})
+            rows.append({"size": name, "state_gb": gb, "variant": variant, **figures(r)})
     if kill:
         name, config = list(sizes.items())[-1]
         log(f"{name}: ray_elastic with a SIGKILL at step {steps // 2}")
         r = elastic_run(config, steps, kill_at=steps // 2)
         rows.append({"size": name, "state_gb": state_gb(config), "variant": "ray_elastic, SIGKILL (resize)",
-                     **_figures(r)})
+                     **figures(r)})
     return {"steps": steps, "rows": rows, "wall_s": time.monotonic() - t0}
 
 

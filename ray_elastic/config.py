@@ -16,6 +16,8 @@ __all__ = ["CpuSlice", "GpuSlice", "TpuSlice", "ElasticConfig", "SliceSpec"]
 
 POLICIES = ("pause", "resize")
 BATCH_MODES = ("accumulate", "shrink")
+EXCHANGES = ("reduce_scatter", "direct")
+EXCHANGE_DTYPES = (None, "bfloat16")
 
 
 def _number(value: Any) -> bool:
@@ -265,6 +267,19 @@ class ElasticConfig:
         leaders of 32 slices about 0.1 s (`python -m bench scale --floor`).
         Same results, bitwise; replicated layouts and
         batch_on_resize="accumulate" only. Costs a process per leader.
+        Leaders hand gradients on directly, whatever `exchange` says.
+    exchange: how the slices sum their gradients. "reduce_scatter" (the
+        default): each slice sums its own shards, cuts the sum into one
+        chunk per live slice, each chunk is summed by its owner and every
+        host gathers the sums, so a host sends and takes in about
+        2(n-1)/n of its gradient per step, as a ring all-reduce does.
+        "direct": every apply takes every slice's gradients (a tree of
+        fan-in 8 above 8 shards): n-1 gradients per host. Same results,
+        bitwise, at one shard per slice (docs/concepts.md, "The exchange").
+    exchange_dtype: None (the default): gradients cross slices in their
+        own dtype (float32 for float32 params). "bfloat16" halves the bytes;
+        the owners still sum in float32. The loss moves by bfloat16's
+        rounding of each slice's gradient (docs/benchmarks.md measures it).
     """
 
     num_slices: int = 2
@@ -291,6 +306,8 @@ class ElasticConfig:
     warm_workers: int = 1
     batch_shards: Optional[int] = None
     slices_per_leader: int = 0
+    exchange: str = "reduce_scatter"
+    exchange_dtype: Optional[str] = None
 
     def __post_init__(self):
         _positive_int("num_slices", self.num_slices)
@@ -363,6 +380,13 @@ class ElasticConfig:
             if self.batch_on_resize != "accumulate":
                 raise ConfigError("slices_per_leader", "group leaders need batch_on_resize='accumulate' "
                                   "(each group computes its own range of shards); set 0 to use 'shrink'")
+        if self.exchange not in EXCHANGES:
+            raise ConfigError("exchange", f"unknown exchange {self.exchange!r}; use one of {EXCHANGES}")
+        if self.exchange_dtype not in EXCHANGE_DTYPES:
+            raise ConfigError("exchange_dtype", f"must be one of {EXCHANGE_DTYPES}, got {self.exchange_dtype!r}")
+        if self.exchange_dtype is not None and (self.exchange != "reduce_scatter" or self.slices_per_leader):
+            raise ConfigError("exchange_dtype", "a narrower dtype on the wire needs exchange='reduce_scatter' "
+                              "and no group leaders; set exchange_dtype=None")
         for name in ("step_deadline_floor_s", "step_deadline_factor", "first_step_deadline_s"):
             if not _number(getattr(self, name)) or getattr(self, name) <= 0:
                 raise ConfigError(name, f"must be > 0, got {getattr(self, name)!r}")
@@ -383,6 +407,24 @@ class ElasticConfig:
     def shards(self) -> int:
         """Shards of each step's global batch."""
         return self.num_slices if self.batch_shards is None else self.batch_shards
+
+    @property
+    def exchange_blocks(self) -> int:
+        """The blocks the gradients' sum is ordered by (dispatch/exchange_plan.py):
+        one per slice of the full membership under the reduce-scatter; one
+        per shard (shard order) under the direct hand-off and group leaders."""
+        return self.shards if self.exchange == "direct" or self.slices_per_leader else self.num_slices
+
+    @property
+    def adopted_facts(self) -> tuple:
+        """The run facts a resumed run takes from its checkpoint rather
+        than checks: the sum's order, where the exchange can follow it."""
+        return () if self.exchange == "direct" or self.slices_per_leader else ("exchange_blocks",)
+
+    def run_facts(self) -> dict:
+        """What a checkpoint records of the run: seed and batch_shards
+        (a resumed run must have the same: the same data), exchange_blocks."""
+        return {"seed": self.seed, "batch_shards": self.shards, "exchange_blocks": self.exchange_blocks}
 
     @property
     def required_slices(self) -> int:

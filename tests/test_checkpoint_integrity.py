@@ -22,7 +22,7 @@ from ray_elastic.checkpoint import CheckpointConfig, CheckpointStore, StorageErr
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.checkpoint.writer import CheckpointWriter
 from ray_elastic.cli import main
-from ray_elastic.errors import CheckpointDamaged
+from ray_elastic.errors import CheckpointDamaged, ConfigError
 
 
 @pytest.fixture(params=["local", "gcs"])
@@ -232,3 +232,26 @@ def test_checkpoint_damaged_pickles():
     back = pickle.loads(pickle.dumps(e))
     assert (back.step, back.file, back.reason, str(back)) == (7, "state/_METADATA", "missing", str(e))
     assert isinstance(back, StorageError)
+
+
+@pytest.mark.parametrize("written,adopt,expected", [
+    ({"exchange_blocks": 4}, ("exchange_blocks",), 4),  # the first run's order, on another slice count
+    ({}, ("exchange_blocks",), 8),  # a checkpoint from before the fact: shard order (blocks = batch_shards)
+    ({"exchange_blocks": 4}, (), 8),  # the direct hand-off adds in shard order whatever the checkpoint says
+])
+def test_a_resumed_run_takes_the_sums_order_from_its_checkpoint(tmp_path, written, adopt, expected):
+    """The blocks that order the gradients' sum (dispatch/exchange_plan.py)
+    are a fact of the run a checkpoint records; a cold start with another
+    num_slices adopts them, so it adds as the first run did (bitwise equal
+    to it), and its own saves record them again. A different seed or
+    batch_shards is still refused."""
+    path = str(tmp_path / "ckpt")
+    CheckpointStore(path).save(1, _state(1), {"seed": 0, "batch_shards": 8, "step": 1, **written})
+    facts = {"seed": 0, "batch_shards": 8, "exchange_blocks": 8 if not adopt else 2}
+    coordinator = CheckpointCoordinator(CheckpointConfig(path), facts, lambda name, **f: None, adopt=adopt)
+    assert coordinator.preflight() == 1
+    assert coordinator.facts["exchange_blocks"] == expected
+    with pytest.raises(ConfigError) as e:
+        CheckpointCoordinator(CheckpointConfig(path), {**facts, "batch_shards": 4}, lambda name, **f: None,
+                              adopt=adopt).preflight()
+    assert e.value.setting == "batch_shards"

@@ -23,7 +23,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import ray
 from ray import exceptions as rex
@@ -47,10 +47,14 @@ _RemoteWriter = ray.remote(CheckpointWriter)
 
 class CheckpointCoordinator:
     def __init__(self, config: CheckpointConfig, run_facts: dict, emit: Callable[..., None],
-                 run_name: str = "ray_elastic"):
+                 run_name: str = "ray_elastic", adopt: Sequence[str] = ()):
         self.config = config
         self.run_name = run_name  # the rescue folder's name under config.rescue_dir
-        self.facts = run_facts  # seed, batch_shards: must match on restore
+        # seed, batch_shards: must match on restore; exchange_blocks (the
+        # order of the gradients' sum): taken from the checkpoint where
+        # `adopt` names it, so a resumed run adds as the first one did.
+        self.facts = dict(run_facts)
+        self._adopt = tuple(adopt)
         self._emit = emit
         self.store = CheckpointStore(config.path, keep=config.keep, retries=config.storage_retries, backoff_s=config.retry_backoff_s)
         self._writer = None
@@ -94,8 +98,10 @@ class CheckpointCoordinator:
             raise ConfigError("checkpoint.path", f"step {latest} under {self.config.path}: run facts unreadable: {e}") from None
         if "batch_shards" not in meta and "num_slices" in meta:
             meta = dict(meta, batch_shards=meta["num_slices"])  # written before batch_shards existed
+        if "exchange_blocks" in self._adopt:  # a checkpoint from before the fact added in shard order
+            self.facts["exchange_blocks"] = meta.get("exchange_blocks", meta.get("batch_shards"))
         for key, value in self.facts.items():
-            if key in meta and meta[key] != value:
+            if key in meta and meta[key] != value and key != "exchange_blocks":
                 raise ConfigError(
                     key,
                     f"the checkpoint at {self.config.path} (step {latest}) was written with "

@@ -21,6 +21,7 @@ from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, sh
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
 from ray_elastic.dispatch.calls import Deadline
+from ray_elastic.dispatch.exchange import ExchangeSpec
 from ray_elastic.dispatch.step_runner import StepResult, StepRunner
 
 __all__ = ["RayBackend", "connect"]
@@ -46,6 +47,7 @@ class RayBackend:
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
         state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0,
+        exchange: tuple = ("reduce_scatter", None, 0),
     ):
         cls = provisioner or RaySlices
         self._slices: SliceProvisioner = cls(
@@ -58,6 +60,8 @@ class RayBackend:
         self.locator = FailureLocator(probe, clock, sleep, heartbeats=beats)
         self._clock = clock
         self.runner = StepRunner(self.locator, clock)
+        if exchange[0] == "reduce_scatter":  # (kind, wire dtype, blocks: dispatch/exchange_plan.py)
+            self.runner.exchange = ExchangeSpec(blocks=exchange[2] or max(num_slices, 1), wire_dtype=exchange[1])
         # With group leaders: the shard ranges the slices' groups compute
         # (assign_shards), and the runner that calls the leaders.
         self.ranges: Optional[list] = None

@@ -103,8 +103,8 @@ class Controller:
         self._run_name = f"ray_elastic-{uuid.uuid4().hex[:6]}"
         self._ckpt = None
         if checkpoint is not None:
-            self._ckpt = CheckpointCoordinator(
-                checkpoint, {"seed": config.seed, "batch_shards": config.shards}, self._event, self._run_name)
+            self._ckpt = CheckpointCoordinator(checkpoint, config.run_facts(), self._event, self._run_name,
+                                               adopt=config.adopted_facts)
         self._preemption = PreemptionWatcher()
         self._state: RunState = Running()
         self.step = 0  # steps completed in the state the live slices hold
@@ -235,7 +235,8 @@ class Controller:
             compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
             warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
             heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
-            grad_check_every=c.grad_check_every, final_step=self.steps)
+            grad_check_every=c.grad_check_every, final_step=self.steps,
+            exchange=(c.exchange, c.exchange_dtype, (self._ckpt.facts if self._ckpt else c.run_facts())["exchange_blocks"]))
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}

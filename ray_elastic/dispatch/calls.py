@@ -26,6 +26,9 @@ class Call:
     host: int
     ref: Any  # the reply a gather reads: a status, or an apply's metrics
     reissue: Callable[[], Any]
+    # Its other returns as they are now (a payload's chunks, a sum): read
+    # with the reply when the call is given up on (dispatch/unread.py).
+    others: Callable[[], tuple] = lambda: ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,21 +1,17 @@
 """The data plane: one training step on the live slices.
 
 Phase 1: every host computes the gradients of its slice's shards of the
-step's global batch. With the state replicated in the slice, host 0 of
-each slice returns them as one object; with a sharded layout every host
-returns its own blocks, and each exchange below runs once per host index,
-among the hosts of that index (host i with host i: they hold the same
-blocks), so no process ever holds the whole gradient.
-Hand-off: up to APPLY_FAN_IN shards, every apply call takes those objects
-directly; above, they are summed in a tree of fan-in APPLY_FAN_IN on the
-slices' workers of that host index, level by level down to one sum (every
-apply call then takes a single ref), so no call carries more than
-APPLY_FAN_IN refs and the driver's work stays linear in the slice count.
-The tree's shape depends only on the shard count, so the additions happen
-in the same order whichever slices are alive (a resized run stays bitwise
+step's global batch (host 0 of a replicated slice speaks for it; under a
+sharded layout every host sends its own blocks and each exchange runs
+among the hosts of one index). The exchange (`exchange`, exchange.py,
+the default): a reduce-scatter and an all-gather, each host moving what a
+ring all-reduce moves. The direct hand-off (a group leader's, or
+`exchange="direct"`): up to APPLY_FAN_IN shards every apply takes the
+payloads; above, a tree of fan-in APPLY_FAN_IN sums them on the slices'
+workers, level by level down to one ref per apply. Either way the order of
+the additions depends only on the shard keys (a resized run stays bitwise
 equal to a failure-free one). Phase 2: every host applies the mean; the
-slices chosen to snapshot copy the new state out in a call of its own, off
-the step's path (checkpoint/snapshots.py says when it counts).
+slices chosen to snapshot copy the new state out in a call of its own.
 
 A lost or hung host surfaces as a `SliceFailure` (failures/location.py), the
 first one seen; gradients never pass through the driver.
@@ -49,6 +45,7 @@ from ray import exceptions as rex
 from ray_elastic.dispatch.assignment import spread_shards
 from ray_elastic.dispatch.unread import Dropped
 from ray_elastic.dispatch.calls import Call, Deadline, Issued, PartialStep, StepResult, refs_by_slice
+from ray_elastic.dispatch.exchange import ExchangeSpec, issue_exchange, sources_of
 from ray_elastic.dispatch.tree import Part, deeper, gates, holders, refs_of
 from ray_elastic.errors import FailureKind, SliceFailure
 from ray_elastic.failures.internal import StepAborted
@@ -98,6 +95,9 @@ class StepRunner:
         if self.fan_in < 2:
             raise ValueError(f"fan_in must be at least 2 (a tree of fan-in 1 never ends), got {self.fan_in}")
         self.pipeline = pipeline_default() if pipeline is None else pipeline
+        # The reduce-scatter exchange (exchange.py) if set; else the direct
+        # hand-off and its reduction tree (a group leader's runner).
+        self.exchange: Optional[ExchangeSpec] = None
         self._ahead: Optional[Issued] = None  # the next step, issued ahead
         self._reissued = 0  # calls re-issued so far (their dependents' refs are void)
         self.steps_ahead = 0  # steps that ran on calls issued ahead (for tests and benches)
@@ -126,16 +126,14 @@ class StepRunner:
         return self._reissued
 
     def drop(self, issued: Optional[Issued]) -> None:
-        """Forget calls issued: their results are never read (unread.Dropped)."""
-        self._dropped.drop(issued)
+        self._dropped.drop(issued)  # never read (unread.Dropped)
 
     def run_first(self, k: int, slice_id: int, refs: Sequence) -> None:
         """Calls (a cross-check's recomputations on `slice_id`'s hosts)
         that every gradient call of step k on that slice takes as
-        arguments, so that every host runs them first: issued back to back
-        on one worker's `compute` thread, Ray ran about 1 pair in 1500 the
-        other way round, and two hosts running two programs paired their
-        collectives (docs/integrity.md, "Gradient cross-checks")."""
+        arguments, so every host runs them first: issued back to back, Ray
+        ran about 1 pair in 1500 the other way round, and two hosts paired
+        their collectives (docs/integrity.md, "Gradient cross-checks")."""
         self._first[(k, slice_id)] = tuple(refs)
 
     def drop_ahead(self) -> None:
@@ -192,7 +190,8 @@ class StepRunner:
                 if not self.gather_levels(pre.levels, k, wait, live, since):
                     # A re-issued call's dependents hold its void ref: hand off again.
                     self.drop_ahead()
-                    return self._apply(k, live, holders(assignment, pre.payloads), takers, wait, on_issued)
+                    return self._apply(k, live, holders(assignment, pre.payloads), takers, wait, on_issued,
+                                       **self._exchanged(assignment, pre.payloads))
                 on_issued("apply")
                 result = StepResult(self.gather(applies, k, wait, live), *snaps())
         except BaseException:
@@ -206,7 +205,7 @@ class StepRunner:
     def _give_up(self, pre: Issued, applies: list, snaps: Callable[[], tuple]) -> None:
         """A step failed: its reductions, applies and snapshots are read once done (unread.py)."""
         for c in [c for level in pre.levels for c in level] + applies:
-            self.unread.add(c.ref)
+            self.unread.add(c.ref, c.others())
         states, statuses = snaps()
         for s, status in statuses.items():
             for i, ref in enumerate(status):
@@ -214,12 +213,21 @@ class StepRunner:
 
     def _run_in_phases(self, k, live, assignment, takers, wait: Deadline, on_issued) -> StepResult:
         """Each phase issued once the one before is gathered."""
-        issued, payloads = self.issue_grads(k, live, assignment)
+        issued, payloads = self.issue_grads(k, live, assignment, plan=self._plan(assignment, len(live)))
         on_issued()
         self.gather_grads(issued, payloads, k, live, assignment, wait)
         on_issued("reduce")
         with self._gradients_kept(k, live, assignment, payloads):
-            return self._apply(k, live, holders(assignment, payloads), takers, wait, on_issued)
+            return self._apply(k, live, holders(assignment, payloads), takers, wait, on_issued,
+                               **self._exchanged(assignment, payloads))
+
+    def _plan(self, assignment: Mapping, chunks: int):
+        """The exchange's plan of a step (None: the direct hand-off)."""
+        return None if self.exchange is None else self.exchange.plan(assignment, chunks, self.fan_in)
+
+    def _exchanged(self, assignment: Mapping, *payload_sets: Mapping, live: int = 0) -> dict:
+        """_apply's exchange arguments (none under the direct hand-off)."""
+        return {} if self.exchange is None else self.exchange.args(assignment, self.fan_in, payload_sets, live)
 
     def gather_grads(self, issued: list, payloads: dict, k: int, live: Mapping, assignment: Mapping,
                      wait: Deadline) -> None:
@@ -266,7 +274,11 @@ class StepRunner:
     def issue_step(self, k: int, live: Mapping, assignment: Mapping, after: Optional[dict] = None) -> Issued:
         """Phase 1 and the reduction tree of step k as one graph (nothing
         gathered); each gradient call waits for `after[slice]`."""
-        grads, payloads = self.issue_grads(k, live, assignment, after)
+        plan = self._plan(assignment, len(live))
+        grads, payloads = self.issue_grads(k, live, assignment, after, plan)
+        if plan is not None:
+            calls, tops = issue_exchange(self, k, live, sources_of(payloads), plan, senders(next(iter(live.values()))))
+            return Issued(k, dict(live), dict(assignment), grads, payloads, [calls] if calls else [], tops)
         holder = holders(assignment, payloads)
         first = min(holder)
         groups = senders(next(iter(live.values())))
@@ -295,39 +307,48 @@ class StepRunner:
         holder = holders(partial.assignment, kept)
         extra = spread_shards(sorted(shard for shards in partial.assignment.values() for shard in shards
                                      if shard not in holder), live)
-        issued, payloads = self.issue_grads(k, live, extra)
+        plan = self._exchanged(partial.assignment, kept, live=len(live)).get("plan")
+        issued, payloads = self.issue_grads(k, live, extra, plan=plan)
         self.gather([c for c in partial.pending if c.slice_id in kept] + issued, k, wait, live)
         holder.update(holders(extra, payloads))
-        return self._apply(k, live, holder, takers, wait)
+        return self._apply(k, live, holder, takers, wait, **self._exchanged(partial.assignment, kept, payloads))
 
     def issue_grads(self, k: int, live: Mapping, shards_of: Mapping[int, tuple],
-                    after: Optional[dict] = None) -> tuple[list, dict]:
+                    after: Optional[dict] = None, plan=None) -> tuple[list, dict]:
         """Phase-1 calls on every host of the slices in `shards_of`; the
         payloads dict fills with each slice's gradients: {host: ref} (only
-        the sending hosts' hold any). With `after`, each call takes the refs
-        after[slice] as arguments: Ray runs it once they are all done."""
+        the sending hosts' hold any; with an exchange `plan`, a tuple of
+        chunk refs). With `after`, each call takes the refs after[slice]
+        as arguments: Ray runs it once they are all done."""
         payloads: dict[int, dict] = {}
         self._first = {key: refs for key, refs in self._first.items() if key[0] >= k}
 
         def grads_call(w, s: int, h: int):
             extra = (tuple(after[s]) if after else ()) + self._first.get((k, s), ())
-            status, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(
-                k, shards_of[s], *extra)
-            payloads.setdefault(s, {})[h] = payload  # a re-issued call replaces it
+            fn = w.compute_grads.options(num_returns=2 if plan is None else 1 + plan.chunks, concurrency_group="compute")
+            status, *rest = fn.remote(k, shards_of[s], *extra) if plan is None else fn.remote(
+                k, shards_of[s], *extra, plan=plan)
+            payloads.setdefault(s, {})[h] = rest[0] if plan is None else tuple(rest)  # a re-issue replaces it
             return status
 
         issued = [
-            Call(s, h, grads_call(w, s, h), lambda w=w, s=s, h=h: grads_call(w, s, h))
+            Call(s, h, grads_call(w, s, h), lambda w=w, s=s, h=h: grads_call(w, s, h),
+                 lambda s=s, h=h: (payloads[s][h],))
             for s in sorted(shards_of)
             for h, w in enumerate(live[s].workers)
         ]
         return issued, payloads
 
     def _apply(self, k: int, live: Mapping, holder: dict, takers: frozenset, wait: Deadline,
-               on_issued: Callable[..., None] = lambda phase="grads": None) -> StepResult:
+               on_issued: Callable[..., None] = lambda phase="grads": None, sources=None, plan=None) -> StepResult:
         groups = senders(next(iter(live.values())))
-        grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
-                     for g in range(groups)}
+        if plan is not None:  # the exchange over `sources`, gathered (re-issues update its Parts)
+            calls, tops = issue_exchange(self, k, live, sources, plan, groups)
+            self.gather(calls, k, wait, live)
+            grad_refs = {g: refs_of(tops[g]) for g in range(groups)}
+        else:
+            grad_refs = {g: self._hand_off(k, live, {shard: refs[g] for shard, refs in holder.items()}, wait, g)
+                         for g in range(groups)}
         on_issued("apply")  # the sum is made, the applies not yet issued
         issued, snaps = self.issue_apply(k, live, grad_refs, takers)
         return StepResult(self.gather(issued, k, wait, live), *snaps())
@@ -376,11 +397,9 @@ class StepRunner:
         self._applies, self._workers = {}, {}
 
     def applied(self, k: int, live: Mapping) -> Optional[StepResult]:
-        """Step k's result on the live slices, for a step that lost a slice
-        after they had applied it (the controller found them a step ahead):
-        the metrics each host kept of its apply (the apply's own reply may
-        have been cancelled by `settle_applies` as it finished), no
-        snapshot. None if no host holds step k + 1."""
+        """Step k's result on live slices found a step ahead after a loss:
+        the metrics each host kept of its apply (its reply may have been
+        cancelled), no snapshot. None if no host holds step k + 1."""
         keys = [(s, h) for s in sorted(live) for h in range(len(live[s].workers))]
         try:
             held = ray.get([live[s].workers[h].held_step.remote(True) for s, h in keys], timeout=30.0)
@@ -392,21 +411,17 @@ class StepRunner:
     def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
         """After a failure, settle the step's apply calls before the
         survivors say which step they hold (Membership.reconcile): those
-        not started yet (still waiting for an input, which may sit on a
-        frozen node) are cancelled; those of `slices` (None: all) that run
-        end (up to timeout_s). Pipelined, a survivor's apply may have had
-        every input (the lost slice had sent its gradients) and complete the
-        step after the failure; read before it, the survivor's step would
-        be stale. The lost slice's own applies are not waited for: on a
-        lost node they answer only once Ray declares it dead. With
-        `abort_waits` (the lost slice's node is gone or silent), first the
-        survivors' calls still waiting for an input give up: an input on
-        that node would arrive, as an error, only after Ray's pull timeout
-        (10 s) or its health checks, and hold up every later call to the
-        worker. After a process death its gradients, in its node's object
-        store, still arrive, and the survivors complete the step; only the
-        reductions issued ahead for the steps after it give up (dropped,
-        they would wait for the next step's gradients and hold the
+        not started (waiting for an input, maybe on a frozen node) are
+        cancelled; those of `slices` (None: all) that run end (up to
+        timeout_s): a survivor's apply may have had every input and
+        complete the step after the failure. The lost slice's own are not
+        waited for (on a lost node they answer once Ray declares it dead).
+        With `abort_waits` (the lost node is gone or silent), first the
+        survivors' calls waiting for an input give up: one on that node
+        would arrive, as an error, only after Ray's pull timeout (10 s).
+        After a process death its gradients, in its node's object store,
+        still arrive and the survivors complete the step; only the calls
+        issued ahead for later steps give up (they would hold the
         worker's threads, which the survivors' status calls need)."""
         applies, self._applies = self._applies, {}
         epoch, self.epoch = self.epoch, self.epoch + 1
@@ -482,7 +497,7 @@ class StepRunner:
             return out
         except BaseException:
             for c in pending.values():  # given up on with the step: read once done
-                self.unread.add(c.ref)
+                self.unread.add(c.ref, c.others())
             raise
 
     def _hand_off(self, k: int, live: Mapping, holder: dict, wait: Deadline, host: int = 0) -> list:

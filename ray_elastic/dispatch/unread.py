@@ -44,7 +44,9 @@ class Unread:
         """Give up on a call: `reply` its small reply, `others` its other
         returns (a call given up on twice is kept once)."""
         if reply is not None and reply not in self._held:
-            self._calls.append((reply, tuple(o for o in others if o is not None)))
+            # An exchange's gradient call returns a tuple of chunks: each one's ref.
+            flat = [r for o in others for r in (o if isinstance(o, (tuple, list)) else (o,))]
+            self._calls.append((reply, tuple(o for o in flat if o is not None)))
             self._held.add(reply)
             for gone, _ in self._calls[:-_KEPT]:
                 self._held.discard(gone)
@@ -102,7 +104,7 @@ class Dropped:
             self.unread.add(c.ref, (issued.payloads.get(c.slice_id, {}).get(c.host),))
         for level in issued.levels:
             for c in level:
-                self.unread.add(c.ref)
+                self.unread.add(c.ref, c.others())
 
     def settle(self, timeout_s: float, live, only: bool = False) -> None:
         """Wait up to `timeout_s` for the dropped gradient calls of the

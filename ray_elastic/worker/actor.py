@@ -33,6 +33,7 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
+from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.program import TrainProgram
 from ray_elastic.worker.checkpoints import HostCheckpointing
 from ray_elastic.worker.exchange_stats import ExchangeStats
@@ -179,7 +180,7 @@ class SliceWorker:
 
     # -- one step, in two phases -------------------------------------------
 
-    def compute_grads(self, step: int, shards: tuple[int, ...], *after: Any) -> tuple[Optional[dict], Optional[dict]]:
+    def compute_grads(self, step: int, shards: tuple[int, ...], *after: Any, plan: Optional[ExchangePlan] = None) -> tuple:
         """Phase 1: the gradient of each assigned shard at the held state.
 
         `step` is the index of the step being taken: the state held is the
@@ -191,9 +192,11 @@ class SliceWorker:
         from here to the slices that reduce or apply it, never through the
         driver. `after`: ignored; a pipelined call passes the previous
         step's apply replies of every host of the slice, so that Ray runs it
-        once they are all done (and not at all if one failed).
+        once they are all done (and not at all if one failed). With an
+        exchange `plan`, the payload is cut into the plan's chunks, one
+        return each (worker/chunks.py).
         """
-        return self._steps.grads(step, shards)
+        return self._steps.grads(step, shards, plan)
 
     def recompute(self, step: int, shard: int) -> Optional[int]:
         """A gradient cross-check (control/integrity.py): the fingerprint of
@@ -207,6 +210,12 @@ class SliceWorker:
         device (a tie-break's: control/tie_break.py)."""
         with self._held.lock:
             return self._steps.fingerprint()
+
+    def reduce_chunk(self, step: int, plan: ExchangePlan, c: int, parts: list, epoch: int = 0) -> tuple[dict, dict]:
+        """The exchange's reduce-scatter on the owner of chunk c: the sum of
+        every source's chunk c (`parts`: refs, fetched here, see `_inputs`)
+        in the plan's order. Pure, so the controller may re-issue it."""
+        return self._steps.reduce_chunk(plan, c, self._inputs(parts, epoch, step))
 
     def reduce(self, step: int, keys: tuple[int, ...], parts: list, epoch: int = 0) -> tuple[dict, dict]:
         """One node of the controller's reduction tree: the in-order sum of
@@ -313,6 +322,13 @@ class SliceWorker:
         self._aborts.abort(epoch, from_step)
 
     def _inputs(self, refs: list, epoch: int, step: int) -> tuple:
+        t0 = time.perf_counter()
+        try:
+            return self._fetch(refs, epoch, step)
+        finally:
+            self._exchange.took_in(time.perf_counter() - t0)
+
+    def _fetch(self, refs: list, epoch: int, step: int) -> tuple:
         return fetch_inputs(refs, lambda: self._aborts.covers(epoch, step),
                             f"slice {self.slice_id} host {self.host}: step {step}'s inputs")
 

@@ -20,14 +20,16 @@ from typing import Optional
 
 import numpy as np
 
+from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.worker.batches import BatchReader
+from ray_elastic.worker.chunks import SCALARS, assemble, cut, pieces, sum_chunk, wire
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, host_fingerprint
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
 from ray_elastic.worker.reduction import divided, eval_values, reduce_pieces, step_values
 from ray_elastic.worker.setup import CompiledStep, StateLayout
-from ray_elastic.worker.shards import from_local_blocks, local_blocks
+from ray_elastic.worker.shards import block_key, from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
 from ray_elastic.worker.state_prints import StatePrints
 from ray_elastic.worker.transfer import device_array
@@ -71,14 +73,17 @@ class SliceSteps:
         # A `corrupt` fault (SliceWorker.corrupt): "state" or "grads", and
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
+        self._template = None  # the gradient's treedef and leaves (shape, dtype), as a host sends it
 
-    def grads(self, step: int, shards: tuple[int, ...]) -> tuple[Optional[dict], Optional[dict]]:
+    def grads(self, step: int, shards: tuple[int, ...], plan: Optional[ExchangePlan] = None) -> tuple:
         """(status, payload) of the gradients of `shards` at the held
         state, which must be that of step `step`: status {"loss": {shard:
         loss}} for the controller, payload {"grads", "loss", "weight",
         "aux", "model_state", "from_slice"} (per shard) for the slices that
         reduce or apply it; (None, None) from the hosts but 0 of a
-        replicated slice."""
+        replicated slice. With an exchange `plan`: (status, chunk 0, ...,
+        chunk n-1), the chunks this host sends to their owners
+        (worker/chunks.py), or Nones from a host that sends nothing."""
         import jax
 
         held, layout = self._held, self._layout
@@ -118,9 +123,28 @@ class SliceSteps:
         self._grads_time = (step, time.perf_counter() - t0, len(shards))
         if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
             out["eval"] = self._evaluate(step, shards, speaks)
+        if plan is not None:
+            return self._chunks(plan, out, speaks)
         if not speaks:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": out["loss"]}, {**out, "from_slice": self._slice_id}
+
+    def _chunks(self, plan: ExchangePlan, out: dict, speaks: bool) -> tuple:
+        """(status, chunk payloads) of `out`'s gradients, summed block by
+        block and cut for their owners (chunks.py)."""
+        import jax
+
+        if not speaks:
+            return (None,) + (None,) * plan.chunks
+        t0 = time.perf_counter()
+        dtype = None if plan.wire_dtype is None else np.dtype(getattr(jax.numpy, plan.wire_dtype))
+        held = pieces(plan, {s: jax.tree.leaves(g) for s, g in out["grads"].items()})
+        cuts = {key: cut(wire(leaves, dtype), plan.chunks) for key, leaves in held.items()}
+        chunks = [{"chunk": c, "from_slice": self._slice_id, "plan": plan,
+                   "pieces": {key: segs[c] for key, segs in cuts.items()}} for c in range(plan.chunks)]
+        chunks[0]["meta"] = {f: out[f] for f in (*SCALARS, "model_state") if f in out}
+        self._exchange.sent(chunks, time.perf_counter() - t0)
+        return ({"loss": out["loss"]}, *chunks)
 
     def recompute(self, step: int, shard: int) -> Optional[int]:
         """A cross-check: the fingerprint of the gradient of `shard` at the
@@ -175,12 +199,59 @@ class SliceSteps:
                               "aux": {k: float(_host_value(v)) for k, v in aux.items()}}
         return out
 
+    def reduce_chunk(self, plan: ExchangePlan, c: int, parts: tuple) -> tuple[dict, dict]:
+        """(status {"count"}, sum) of chunk c over the sources' chunks in `parts`: this host owns it."""
+        import jax
+
+        t0 = time.perf_counter()
+        summed = {**sum_chunk(plan, c, parts, jax.tree.map, self._state_op), "from_slice": self._slice_id}
+        self._exchange.reduced(parts, time.perf_counter() - t0)
+        return {"count": summed["count"]}, summed
+
+    def _gathered(self, sums: tuple) -> dict:
+        """The step's summed gradient from the owners' chunk sums, as
+        reduce_pieces would give it (its tree, model state, scalars)."""
+        import jax
+
+        if self._template is None:
+            self._template = self._grad_template()
+        specs, treedef = self._template  # jax.tree.flatten's (leaves, treedef)
+        if "pieces" in sums[0]:  # the sources' own chunks: one live slice, no owner summed them
+            by_chunk: dict = {}
+            for p in sums:
+                by_chunk.setdefault(p["chunk"], []).append(p)
+            sums = tuple(sum_chunk(sums[0]["plan"], c, tuple(ps), jax.tree.map, self._state_op)
+                         for c, ps in sorted(by_chunk.items()))
+        first = min(sums, key=lambda p: p["chunk"])
+        state = first["model_state"]  # copied: read-only from the object store, and divided in place below
+        return {"sum": jax.tree.unflatten(treedef, assemble(sums, specs)),
+                "model_state": None if state is None else jax.tree.map(lambda a: np.array(a, copy=True), state),
+                **{f: first.get(f, {}) for f in SCALARS}}
+
+    def _grad_template(self) -> tuple:
+        """(treedef, leaves as jax.ShapeDtypeStruct) of the gradient a host
+        sends: the params' tree (replicated), or the dict of this host's
+        blocks (sharded, keyed as shards.local_blocks keys them)."""
+        import jax
+
+        layout = self._layout
+        if not layout.sharded:
+            return jax.tree.flatten(layout.params_spec())
+        blocks = {}
+        for i, spec in enumerate(layout.param_specs):
+            for index in spec.sharding.addressable_devices_indices_map(spec.shape).values():
+                key = block_key(index, spec.shape)
+                blocks[(None, i, key)] = jax.ShapeDtypeStruct(tuple(b - a for a, b in key), spec.dtype)
+        return jax.tree.flatten(blocks)
+
     def reduce(self, keys: tuple[int, ...], parts: tuple) -> tuple[dict, dict]:
         """(status {"count"}, partial sum) of the pieces of `parts` named by `keys`."""
         import jax
 
+        t0 = time.perf_counter()
         partial = reduce_pieces(jax.tree.map, keys, parts, self._state_op)
-        return {"count": partial["count"]}, partial
+        self._exchange.reduced(parts, time.perf_counter() - t0)
+        return {"count": partial["count"]}, {**partial, "from_slice": self._slice_id}
 
     def apply(self, step: int, parts: tuple) -> dict:
         """Apply the step's gradient (the shards' sum over their summed
@@ -202,7 +273,10 @@ class SliceSteps:
         if got is not None:
             checked[step], spent = got[0], got[1:]
         self._prints.wait()  # the update below donates the arrays it reads
-        total = reduce_pieces(jax.tree.map, None, parts, self._state_op)
+        t0 = time.perf_counter()
+        sums = [p for p in parts if p and "chunk" in p]
+        total = self._gathered(tuple(sums)) if sums else reduce_pieces(jax.tree.map, None, parts, self._state_op)
+        self._exchange.gathered(parts, time.perf_counter() - t0)
         values = step_values(total, program.aux)
         if not math.isfinite(values.loss) and program.post_update is None:
             raise NonFiniteLoss(step, values.loss)
@@ -221,7 +295,6 @@ class SliceSteps:
         held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, scalars))
         if self._corrupting("state"):
             held.params = flip_bit(held.params)
-        self._exchange.count(parts)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
         if self._grads_time[0] == step:  # for the controller's straggler detection
             metrics["grads_s"], metrics["grads_shards"] = self._grads_time[1:]

@@ -1,0 +1,203 @@
+"""A host's part of the cross-slice exchange: a reduce-scatter and an
+all-gather through Ray's object store, in the order the step's plan fixes
+(dispatch/exchange_plan.py says which order, and why it never depends on
+the slices).
+
+1. The gradient call (`pieces`, `cut`): the host sums the shards it holds
+   block by block (a block it holds whole leaves as one piece, so with the
+   full membership one gradient leaves the slice), then cuts every piece
+   into the plan's chunks, by element ranges over its leaves taken in
+   order: views, no copy. Chunk c goes to its owner.
+2. The owner of chunk c (`sum_chunk`) sums every source's chunk c in the
+   plan's order and returns the sum (and, for chunk 0, the step's
+   per-shard scalars and model states, combined).
+3. Every host's apply (`assemble`) takes the owners' sums, in chunk order,
+   and lays them back into whole leaves.
+
+A host so takes in about 2(n-1)/n of its gradient's bytes per step, as a
+ring all-reduce moves, and the additions of any one element happen in the
+same order whatever the chunk boundaries and owners: a resized or
+recovered run stays bitwise equal to a failure-free one. Pure numpy (the
+model states go through the caller's `tree_map`): runs in the workers and
+in unit tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from ray_elastic.dispatch.exchange_plan import ExchangePlan
+
+__all__ = ["assemble", "chunk_bytes", "cut", "fold", "in_plan_order", "pieces", "sum_chunk", "wire"]
+
+# Per-shard scalars a gradient call reports, carried to the apply with chunk 0.
+SCALARS = ("loss", "weight", "aux", "eval")
+
+
+def fold(values: Sequence[list]) -> list:
+    """The left fold of lists of arrays, element by element: ((v0 + v1) +
+    v2) + ... A single value is returned as it is (no copy); else the sum
+    is a fresh array (the inputs may be read-only object-store views)."""
+    if len(values) == 1:
+        return list(values[0])
+    acc = [np.array(a, copy=True) for a in values[0]]
+    for v in values[1:]:
+        for a, b in zip(acc, v):
+            a += b
+    return acc
+
+
+def tree(nodes: list, fan_in: int, add: Callable[[Sequence], Any]) -> Any:
+    """Groups of `fan_in` consecutive nodes, each folded by `add`, level by
+    level down to one."""
+    while len(nodes) > 1:
+        nodes = [add(nodes[j:j + fan_in]) for j in range(0, len(nodes), fan_in)]
+    return nodes[0]
+
+
+def in_plan_order(plan: ExchangePlan, by_key: dict, add: Callable[[Sequence], Any]) -> Any:
+    """The sum of `by_key` ({("block", b) or ("shard", s): value}) in the
+    plan's order: each block's value (its piece, or the fold of its single
+    shards in key order), then the tree over the blocks. Every shard of the
+    plan must be covered exactly once."""
+    seen: list = []
+    nodes = []
+    for b in plan.block_order():
+        if ("block", b) in by_key:
+            nodes.append(by_key[("block", b)])
+            seen += plan.members(b)
+            continue
+        members = plan.members(b)
+        missing = [s for s in members if ("shard", s) not in by_key]
+        if missing:
+            raise RuntimeError(f"the exchange is missing the gradients of shards {missing}")
+        nodes.append(add([by_key[("shard", s)] for s in members]))
+        seen += members
+    extra = sorted(set(k[1] for k in by_key if k[0] == "shard") - set(plan.shards))
+    if extra or len(seen) != len(set(seen)):
+        raise RuntimeError(f"the exchange got shards outside its plan ({extra}) or twice")
+    return tree(nodes, plan.fan_in, add)
+
+
+def pieces(plan: ExchangePlan, grads: dict) -> dict:
+    """{("block", b): fold} for each block whose every shard is in `grads`
+    (shard -> list of arrays), {("shard", s): arrays} for the others."""
+    by_block: dict = {}
+    for s in sorted(grads):
+        by_block.setdefault(plan.block_of(s), []).append(s)
+    out = {}
+    for b, held in sorted(by_block.items()):
+        if tuple(held) == plan.members(b):
+            out[("block", b)] = fold([grads[s] for s in held])
+        else:
+            out.update({("shard", s): grads[s] for s in held})
+    return out
+
+
+def wire(leaves: list, dtype: Optional[Any]) -> list:
+    """The arrays as they travel: cast to `dtype` (a numpy dtype), or as
+    they are (None)."""
+    return leaves if dtype is None else [a.astype(dtype) for a in leaves]
+
+
+def cut(leaves: list, chunks: int) -> list:
+    """`chunks` lists of 1-D views: the leaves' elements, taken in order,
+    cut into as many ranges of (nearly) equal length; a range never spans
+    two leaves (a leaf across a boundary gives a view to each chunk)."""
+    total = sum(a.size for a in leaves)
+    edges = [total * c // chunks for c in range(chunks + 1)]
+    out: list = [[] for _ in range(chunks)]
+    offset = 0
+    for a in leaves:
+        flat = np.ascontiguousarray(a).reshape(-1)
+        for c in range(chunks):
+            lo, hi = max(edges[c], offset), min(edges[c + 1], offset + a.size)
+            if lo < hi:
+                out[c].append(flat[lo - offset:hi - offset])
+        offset += a.size
+    return out
+
+
+def chunk_bytes(chunk: Optional[dict]) -> int:
+    """Gradient bytes in a source's chunk or an owner's sum (0 for a gate)."""
+    if not chunk:
+        return 0
+    if "sum" in chunk:
+        return sum(int(a.nbytes) for a in chunk["sum"])
+    return sum(int(a.nbytes) for segs in chunk["pieces"].values() for a in segs)
+
+
+def sum_chunk(plan: ExchangePlan, c: int, parts: Sequence[Optional[dict]], tree_map: Callable,
+              model_state_op: str = "sum") -> dict:
+    """The owner's sum of chunk c over every source's chunk c (`parts`;
+    None: a gate from a host that sends nothing), in the plan's order,
+    summed in float32 when the wire's dtype is narrower and sent back in
+    it. Chunk 0 also carries the step's per-shard scalars and its model
+    states' sum (the same order; "max" combines by maximum)."""
+    got = [p for p in parts if p]
+    wrong = [p["chunk"] for p in got if p["chunk"] != c]
+    if wrong:
+        raise RuntimeError(f"chunk {c}'s owner was given chunks {wrong}")
+    by_key: dict = {}
+    wire_type = None
+    for p in got:
+        for key, segs in p["pieces"].items():
+            if key in by_key:
+                raise RuntimeError(f"the exchange got {key} twice")
+            if plan.wire_dtype is not None and segs:
+                wire_type = segs[0].dtype
+                segs = [a.astype(np.float32) for a in segs]
+            by_key[key] = segs
+    summed = in_plan_order(plan, by_key, fold)
+    if wire_type is not None:
+        summed = [a.astype(wire_type) for a in summed]
+    out = {"chunk": c, "sum": summed, "count": len(plan.shards)}
+    if c == 0:
+        meta = {f: {} for f in SCALARS}
+        states: dict = {}
+        for p in got:
+            for f in SCALARS:
+                meta[f].update(p["meta"].get(f, {}))
+            states.update(p["meta"].get("model_state") or {})
+        out.update(meta)
+        out["model_state"] = None
+        if states:
+            combine = np.maximum if model_state_op == "max" else np.add
+            add = lambda vs: _fold_trees(vs, tree_map, combine)  # noqa: E731
+            out["model_state"] = in_plan_order(plan, {("shard", s): v for s, v in states.items()}, add)
+    return out
+
+
+def _fold_trees(values: Sequence, tree_map: Callable, combine: Callable) -> Any:
+    if len(values) == 1:
+        return values[0]
+    acc = tree_map(lambda a: np.array(a, copy=True), values[0])
+    for v in values[1:]:
+        acc = tree_map(lambda a, b: combine(a, b, out=a), acc, v)
+    return acc
+
+
+def assemble(sums: Sequence[dict], template: Sequence[Any]) -> list:
+    """The whole leaves from the owners' sums (any order; every chunk of
+    the step once), each of the template's shape and dtype (objects with
+    `.shape` and `.dtype`)."""
+    order = sorted(sums, key=lambda s: s["chunk"])
+    if [s["chunk"] for s in order] != list(range(len(order))):
+        raise RuntimeError(f"the apply got chunks {[s['chunk'] for s in order]}, not each of 0..{len(order) - 1}")
+    segments = iter(a for s in order for a in s["sum"])
+    out = []
+    for spec in template:
+        size = math.prod(spec.shape)
+        buf = np.empty(size, dtype=spec.dtype)
+        filled = 0
+        while filled < size:
+            seg = next(segments)
+            buf[filled:filled + seg.size] = seg
+            filled += seg.size
+        out.append(buf.reshape(spec.shape))
+    if next(segments, None) is not None:
+        raise RuntimeError("the exchange's sums hold more elements than the state's gradient")
+    return out
