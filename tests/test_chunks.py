@@ -63,6 +63,7 @@ def test_cut_then_assemble_gives_the_leaves_back(chunks):
     back = assemble([{"chunk": c, "sum": segs} for c, segs in enumerate(cuts)], _specs())
     for a, b in zip(back, leaves):
         np.testing.assert_array_equal(a, b)
+        assert not np.shares_memory(a, b)  # views are copied (the apply divides in place)
 
 
 @pytest.mark.parametrize("blocks,shards", [(2, 2), (4, 4), (2, 8), (3, 9), (4, 16), (12, 12)])
@@ -156,3 +157,19 @@ def test_model_states_combine_by_maximum_in_the_plans_order():
     np.testing.assert_array_equal(first["model_state"]["m"], np.full(2, 3, np.float32))
     _, first = _exchange(plan, assign_shards(range(2), 4, "accumulate"))
     np.testing.assert_array_equal(first["model_state"]["m"], np.full(2, 6, np.float32))
+
+
+def test_at_most_max_chunks_owners_whatever_the_slice_count():
+    """Past MAX_CHUNKS slices the driver's refs would grow as slices x chunks."""
+    from ray_elastic.dispatch.exchange import MAX_CHUNKS, ExchangeSpec
+
+    spec = ExchangeSpec(blocks=64)
+    assignment = assign_shards(range(64), 64, "accumulate")
+    assert spec.plan(assignment, 64, 8).chunks == MAX_CHUNKS
+    assert spec.plan(assignment, 3, 8).chunks == 3
+    assert spec.plan(assignment, 2, 8).chunks == 1  # two slices: no owner, the applies sum
+    plan = spec.plan(assignment, 64, 8)
+    got, _ = _exchange(plan, {s: (s,) for s in range(64)})
+    want, _ = _exchange(ExchangePlan(1, 64, plan.shards, 8), {s: (s,) for s in range(64)})
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)

@@ -7,8 +7,12 @@ same host index (round robin when fewer slices are live than the step has
 chunks: after a loss mid-step, survivors take over the lost owner's
 chunks). The owner's `reduce_chunk` call takes chunk c of every source and
 sums it; every host's apply takes every owner's sum. The refs go from call
-to call; the driver never holds a value. With one owner (one live slice)
-there is no reduce call: the apply sums its own slice's chunk itself.
+to call; the driver never holds a value. Up to two slices a gradient is
+one chunk and there is no owner: every apply takes every slice's chunk and
+sums them itself. At two slices that moves what the ring moves (the other
+slice's gradient: 2(n-1)/n = 1 of it) with one call fewer on the step's
+path: with owners, the extra hop cost 2 slices a 0.159 s median step
+against the direct hand-off's 0.140 s (`python -m bench exchange --sizes 2`).
 
 A source is one gradient call's returns: a live slice's host, or, when a
 step is finished after a loss, both a survivor's first call and its call
@@ -25,7 +29,16 @@ from ray_elastic.dispatch.calls import Call
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.dispatch.tree import Part
 
-__all__ = ["ExchangeSpec", "issue_exchange", "sources_of"]
+__all__ = ["MAX_CHUNKS", "ExchangeSpec", "issue_exchange", "sources_of"]
+
+# At most this many chunks (owners) per step. Each gradient call returns
+# one ref per chunk and each owner's call takes one per slice: the driver
+# handles about 3 x slices x chunks refs a step, which past a few dozen
+# slices would cost it more than the bytes saved. Up to 16 slices a host
+# moves the ring bound; above, the 16 owners take in (n-1)/16 of a
+# gradient each and the other hosts 15/16 (group leaders, for hundreds of
+# slices, keep the direct hand-off and its tree).
+MAX_CHUNKS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,9 +50,10 @@ class ExchangeSpec:
     wire_dtype: Optional[str] = None
 
     def plan(self, assignment: Mapping, chunks: int, fan_in: int) -> ExchangePlan:
-        """The plan of a step with this `assignment` (slice -> shards), cut into `chunks`."""
+        """The plan of a step with this `assignment` (slice -> shards), cut
+        into `chunks` (at most MAX_CHUNKS; one for two slices or fewer)."""
         shards = tuple(sorted(sh for shards in assignment.values() for sh in shards))
-        return ExchangePlan(chunks=chunks, blocks=self.blocks, shards=shards, fan_in=fan_in,
+        return ExchangePlan(chunks=1 if chunks <= 2 else min(chunks, MAX_CHUNKS), blocks=self.blocks, shards=shards, fan_in=fan_in,
                             wire_dtype=self.wire_dtype)
 
     def args(self, assignment: Mapping, fan_in: int, payload_sets: tuple, live: int = 0) -> dict:
@@ -69,7 +83,7 @@ def issue_exchange(runner, k: int, live: Mapping, sources: list, plan: ExchangeP
     tops: dict = {}
     for g in range(groups):
         mine = [refs for s, h, refs in sources if groups == 1 or h == g]
-        if len(owners) == 1:
+        if plan.chunks == 1:  # no owner: the applies sum the chunks
             tops[g] = [Part(0, [r for refs in mine for r in refs])]
             continue
         parts = []

@@ -43,8 +43,8 @@ def fold(values: Sequence[list]) -> list:
     is a fresh array (the inputs may be read-only object-store views)."""
     if len(values) == 1:
         return list(values[0])
-    acc = [np.array(a, copy=True) for a in values[0]]
-    for v in values[1:]:
+    acc = [np.add(a, b) for a, b in zip(values[0], values[1])]  # a fresh array: one pass, not a copy and an add
+    for v in values[2:]:
         for a, b in zip(acc, v):
             a += b
     return acc
@@ -191,12 +191,17 @@ def assemble(sums: Sequence[dict], template: Sequence[Any]) -> list:
     out = []
     for spec in template:
         size = math.prod(spec.shape)
+        seg = next(segments) if size else None
+        if seg is not None and seg.size == size and seg.dtype == spec.dtype and seg.flags.owndata:
+            out.append(seg.reshape(spec.shape))  # a whole leaf summed here: already a fresh array of its own
+            continue
         buf = np.empty(size, dtype=spec.dtype)
         filled = 0
         while filled < size:
-            seg = next(segments)
+            seg = next(segments) if seg is None else seg
             buf[filled:filled + seg.size] = seg
             filled += seg.size
+            seg = None
         out.append(buf.reshape(spec.shape))
     if next(segments, None) is not None:
         raise RuntimeError("the exchange's sums hold more elements than the state's gradient")
