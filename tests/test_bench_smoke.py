@@ -270,3 +270,20 @@ def test_sizes_quick(cluster, nodes):
     assert set(rows) == {"ray_elastic", "plain"} and all(r["failures"] == [] for r in rows.values())
     assert 0.25 < rows["plain"]["state_gb"] < 0.35 and all(r["peak_gb"] > rows["plain"]["state_gb"] for r in rows.values())
     assert "| 0.30 GB | ray_elastic |" in sizes.table(result)
+
+
+@pytest.mark.slow
+def test_exchange_tiny(cluster, nodes):
+    """`python -m bench exchange` at 2 and 3 slices, 6 steps: the
+    reduce-scatter at the ring bound, the direct hand-off at n-1
+    gradients, bfloat16 at half the bytes, the table in shape."""
+    from bench import exchange
+
+    result = exchange.run(cluster, steps=6, slices=(2, 3), per_slice=(1,), log=lambda *a: None)
+    rows = {(r["slices"], r["exchange"], r["dtype"]): r for r in result["rows"]}
+    for n in (2, 3):
+        assert rows[(n, "reduce_scatter", "float32")]["ratio_to_ring"] == pytest.approx(1.0, abs=0.05)
+        direct = rows[(n, "direct", "float32")]
+        assert direct["taken_max"] == pytest.approx((n - 1) * result["grad_bytes"], rel=0.01)
+    assert rows[(2, "reduce_scatter", "bfloat16")]["ratio_to_ring"] == pytest.approx(0.5, abs=0.03)
+    assert "| 3 | 1 | reduce_scatter | float32 |" in exchange.table(result)

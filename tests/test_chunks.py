@@ -146,6 +146,8 @@ def test_a_missing_or_doubled_shard_is_refused():
     plan = ExchangePlan(chunks=1, blocks=2, shards=(0, 1, 2, 3), fan_in=8)
     with pytest.raises(RuntimeError, match=r"missing the gradients of shards \[3\]"):
         in_plan_order(plan, {("block", 0): 1.0, ("shard", 1): 1.0}, sum)
+    with pytest.raises(RuntimeError, match="twice"):  # a block's sum and one of its shards again
+        in_plan_order(plan, {("block", 0): 1.0, ("block", 1): 1.0, ("shard", 2): 1.0}, sum)
     sources = _sources(plan, {0: (0, 2), 1: (1, 3)})
     with pytest.raises(RuntimeError, match="twice"):
         sum_chunk(plan, 0, (sources[0][0], sources[0][0], sources[1][0]), jax.tree.map)

@@ -188,7 +188,7 @@ def test_reduction_tree_pipelined_runs_through(nodes, lm_factory, monkeypatch):
     real = step_runner.StepRunner.tree_level
     monkeypatch.setattr(step_runner.StepRunner, "tree_level",
                         lambda self, k, live, nodes, host: (levels.append((k, len(nodes))), real(self, k, live, nodes, host))[1])
-    trainer, report = _run(lm_factory, _config(policy="resize", num_slices=4))
+    trainer, report = _run(lm_factory, _config(policy="resize", num_slices=4, exchange="direct"))
     assert report.steps_completed == STEPS and not report.failures
     assert trainer.members.backend.runner.steps_ahead >= STEPS - 2  # pipelined all along
     # Two tree levels a step (4 shards -> 2 partial sums -> 1), then the applies.
@@ -206,7 +206,7 @@ def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     import ray_elastic.dispatch.step_runner as step_runner
 
     nodes(4)
-    cfg = _config(policy="resize", num_slices=4)
+    cfg = _config(policy="resize", num_slices=4, exchange="direct")  # the tree is the direct hand-off's
     monkeypatch.setattr(step_runner, "APPLY_FAN_IN", 2)
     levels = []
     real = step_runner.StepRunner.tree_level

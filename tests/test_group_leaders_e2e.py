@@ -43,11 +43,12 @@ def _run(factory, leaders: int, faults=(), on_event=None, cluster=None, **kw):
 
 @pytest.fixture(scope="module")
 def reference(cluster, lm_factory):
-    """The driver alone, no leaders, no failure, fan-in 2: also the
-    pipelined reduction tree on real slices running through without a
-    stall (a stalled step would be a "hung" failure here), as
-    tests/test_elastic_e2e.py::test_reduction_tree_pipelined_runs_through
-    (slow) checks with the tree's levels counted."""
+    """The driver alone, no leaders, no failure, fan-in 2, with the
+    default exchange (the reduce-scatter): at one shard per slice it adds
+    in the order of the leaders' tree, so the leaders' runs must give its
+    bits. (The direct hand-off's pipelined tree running through without a
+    stall: tests/test_elastic_e2e.py::test_reduction_tree_pipelined_runs_through,
+    slow, with the tree's levels counted.)"""
     import ray_elastic.dispatch.step_runner as step_runner
 
     cluster.ensure_nodes(4)

@@ -278,6 +278,11 @@ class RayBackend:
             self.retire(s)
         if isinstance(self.runner, GroupedRunner):
             self.runner.close()
+        else:
+            # A run that ends on an error leaves calls it gave up on (those
+            # issued ahead of the failed step): read once done, so that Ray
+            # prints no "Unhandled error" for them (dispatch/unread.py).
+            self.runner.unread.sweep(timeout_s=2.0)
         self._slices.shutdown()
 
 

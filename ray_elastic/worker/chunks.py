@@ -63,22 +63,14 @@ def in_plan_order(plan: ExchangePlan, by_key: dict, add: Callable[[Sequence], An
     plan's order: each block's value (its piece, or the fold of its single
     shards in key order), then the tree over the blocks. Every shard of the
     plan must be covered exactly once."""
-    seen: list = []
-    nodes = []
-    for b in plan.block_order():
-        if ("block", b) in by_key:
-            nodes.append(by_key[("block", b)])
-            seen += plan.members(b)
-            continue
-        members = plan.members(b)
-        missing = [s for s in members if ("shard", s) not in by_key]
+    covered = sorted(s for kind, key in by_key for s in (plan.members(key) if kind == "block" else (key,)))
+    if covered != sorted(plan.shards):
+        missing = sorted(set(plan.shards) - set(covered))
         if missing:
             raise RuntimeError(f"the exchange is missing the gradients of shards {missing}")
-        nodes.append(add([by_key[("shard", s)] for s in members]))
-        seen += members
-    extra = sorted(set(k[1] for k in by_key if k[0] == "shard") - set(plan.shards))
-    if extra or len(seen) != len(set(seen)):
-        raise RuntimeError(f"the exchange got shards outside its plan ({extra}) or twice")
+        raise RuntimeError(f"the exchange got shards outside its plan or twice: {covered} for {list(plan.shards)}")
+    nodes = [by_key[("block", b)] if ("block", b) in by_key else add([by_key[("shard", s)] for s in plan.members(b)])
+             for b in plan.block_order()]
     return tree(nodes, plan.fan_in, add)
 
 
