@@ -36,10 +36,14 @@ def test_a_hosts_needs_count_the_snapshot_and_the_steps_gradients():
     n = host_needs(params=100, state=300, hosts=1, sharded=False, shards=2, num_slices=2, snapshots=True, on_host=True)
     assert (n.state, n.grads, n.store) == (300, 100, 300 + 2 * 100)
     assert n.host == n.store + 300 + 100
-    # 16 shards: the apply takes the tree's 8, the slice computes 8 of its own.
+    # The direct hand-off, 16 shards: the apply takes the tree's 8, the slice computes 8 of its own.
     n = host_needs(params=100, state=300, hosts=1, sharded=False, shards=16, num_slices=2, snapshots=False,
-                   on_host=False)
+                   on_host=False, exchange="direct")
     assert n.store == 8 * 100 and n.host == n.store  # on an accelerator the state is in device memory
+    # The reduce-scatter: the slice's own sum, the chunks summed and gathered, whatever the shards.
+    n = host_needs(params=100, state=300, hosts=1, sharded=False, shards=16, num_slices=4, snapshots=False,
+                   on_host=False)
+    assert n.store == 3 * 100
     n = host_needs(params=100, state=300, hosts=4, sharded=True, shards=2, num_slices=2, snapshots=True, on_host=True)
     assert (n.state, n.grads) == (75, 25)
 

@@ -69,16 +69,23 @@ def tree_bytes(tree: Any) -> int:
 
 
 def host_needs(params: int, state: int, hosts: int, sharded: bool, shards: int, num_slices: int,
-               snapshots: bool, on_host: bool) -> HostNeeds:
+               snapshots: bool, on_host: bool, exchange: str = "reduce_scatter") -> HostNeeds:
     """One host's needs for a state of `state` bytes (of which `params`
     are the params): shared out over the slice's `hosts` when the layout
-    is sharded, whole on each host otherwise. A step's `shards` gradients
-    all pass through the object store of every host that applies them (up
-    to the apply's fan-in of 8; a tree above it sums them first), and
-    those the host's slice computes stay there until applied."""
+    is sharded, whole on each host otherwise. In the object store: under
+    the reduce-scatter, the host's own gradient (its slice's shards summed),
+    the chunks it sums and the sums it gathers (under 3 gradients; 2 at
+    two slices, where each apply takes the other slice's gradient whole);
+    under the direct hand-off, a step's `shards` gradients pass through the
+    store of every host that applies them (up to the apply's fan-in of 8; a
+    tree above it sums them first), and those the host's slice computes
+    stay there until applied."""
     share = hosts if sharded else 1
     grads = params // share
-    in_flight = max(min(shards, 8), math.ceil(shards / num_slices))
+    if exchange == "reduce_scatter":
+        in_flight = 2 if num_slices <= 2 else 3
+    else:
+        in_flight = max(min(shards, 8), math.ceil(shards / num_slices))
     store = (state // share if snapshots else 0) + grads * in_flight
     return HostNeeds(state=state // share, grads=grads, store=store, on_host=on_host)
 

@@ -47,7 +47,8 @@ def state_needs(program: TrainProgram, config: ElasticConfig) -> Optional[HostNe
     p = tree_bytes(params)
     return host_needs(p, p + tree_bytes(opt) + tree_bytes(model), hosts=len(config.slice.bundles()),
                       sharded=program.layout.sharded, shards=config.shards, num_slices=config.num_slices,
-                      snapshots=config.snapshot_every != 0, on_host=isinstance(config.slice, CpuSlice))
+                      snapshots=config.snapshot_every != 0, on_host=isinstance(config.slice, CpuSlice),
+                      exchange="direct" if config.slices_per_leader else config.exchange)
 
 
 def check_program(factory: Callable[[], TrainProgram], devices_per_slice: int, seed: int, num_shards: int,
