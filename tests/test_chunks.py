@@ -16,12 +16,12 @@ from ray_elastic.errors import ConfigError
 from ray_elastic.worker.chunks import assemble, chunk_bytes, cut, in_plan_order, pieces, sum_chunk, wire
 from ray_elastic.worker.reduction import reduce_pieces
 
-SHAPES = [(5, 3), (0,), (1,), (7,), (2, 2, 3)]
+SHAPES = [(5, 3), (0,), (1,), (), (7,), (2, 2, 3)]  # () : a scalar parameter, a 0-d leaf
 
 
 def _grad(shard: int) -> list:
     rng = np.random.default_rng(1000 + shard)
-    return [rng.standard_normal(s).astype(np.float32) * (1 + shard) for s in SHAPES]
+    return [np.asarray(rng.standard_normal(s).astype(np.float32) * (1 + shard)) for s in SHAPES]
 
 
 def _specs():
@@ -84,6 +84,17 @@ def test_the_sum_is_bitwise_the_same_whichever_slices_hold_the_shards(blocks, sh
                 np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(got0["model_state"]["m"], want0["model_state"]["m"])
             assert got0["loss"] == want0["loss"] and got0["count"] == shards
+
+
+def test_a_block_of_several_shards_sums_every_leaf_scalars_too():
+    """A block of 3 shards folded by the slice that holds it: every leaf,
+    a 0-d one included, is the in-order sum of the 3."""
+    plan = ExchangePlan(chunks=1, blocks=1, shards=(0, 1, 2), fan_in=8)
+    got = pieces(plan, {s: _grad(s) for s in range(3)})[("block", 0)]
+    for i, a in enumerate(got):
+        want = np.asarray(_grad(0)[i] + _grad(1)[i]) + _grad(2)[i]
+        np.testing.assert_array_equal(a, want)
+        assert a.shape == SHAPES[i]
 
 
 def test_with_the_full_membership_one_gradient_leaves_each_slice():

@@ -43,7 +43,10 @@ def fold(values: Sequence[list]) -> list:
     is a fresh array (the inputs may be read-only object-store views)."""
     if len(values) == 1:
         return list(values[0])
-    acc = [np.add(a, b) for a, b in zip(values[0], values[1])]  # a fresh array: one pass, not a copy and an add
+    # A fresh array: one pass, not a copy and an add. np.asarray, as np.add
+    # of two 0-d arrays (a scalar parameter) gives a numpy scalar, which
+    # `+=` below would rebind rather than add into.
+    acc = [np.asarray(np.add(a, b)) for a, b in zip(values[0], values[1])]
     for v in values[2:]:
         for a, b in zip(acc, v):
             a += b
