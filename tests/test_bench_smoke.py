@@ -280,10 +280,19 @@ def test_exchange_tiny(cluster, nodes):
     from bench import exchange
 
     result = exchange.run(cluster, steps=6, slices=(2, 3), per_slice=(1,), log=lambda *a: None)
-    rows = {(r["slices"], r["exchange"], r["dtype"]): r for r in result["rows"]}
+    rows = {(r["slices"], r["exchange"], r["dtype"]): r for r in result["rows"] if r["snapshot_every"] == "auto"}
+    every = [r for r in result["rows"] if r["snapshot_every"] == 1]
+    assert sorted(r["exchange"] for r in every) == ["direct", "reduce_scatter"]
+    for r in result["rows"]:  # the window is between a host's compute and its update: never beside its compute
+        o = r["overlap"]
+        assert o["exchange_window_s"] > 0 and o["compute_s"] > 0 and o["compute_in_exchange_s"] == 0
+        assert 0 <= o["batch_in_exchange_s"] <= o["batch_s"]
+    for r in every:  # a snapshot every step: its views were timed
+        assert r["overlap"]["snapshot_s"] > 0
     for n in (2, 3):
         assert rows[(n, "reduce_scatter", "float32")]["ratio_to_ring"] == pytest.approx(1.0, abs=0.05)
         direct = rows[(n, "direct", "float32")]
         assert direct["taken_max"] == pytest.approx((n - 1) * result["grad_bytes"], rel=0.01)
     assert rows[(2, "reduce_scatter", "bfloat16")]["ratio_to_ring"] == pytest.approx(0.5, abs=0.03)
-    assert "| 3 | 1 | reduce_scatter | float32 |" in exchange.table(result)
+    text = exchange.table(result)
+    assert "| 3 | 1 | reduce_scatter | float32 |" in text and "| 2 | 1 | direct | float32 | 1 |" in text

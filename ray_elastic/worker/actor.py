@@ -254,7 +254,11 @@ class SliceWorker:
         step's gradients compute meanwhile. `after`: the apply's reply, so
         that Ray runs this once the apply is done. The driver issues it and
         so owns the state's copy, which outlives this process on its node."""
-        return self._transfer.finish_snapshot(step + 1)
+        t0 = time.perf_counter()
+        try:
+            return self._transfer.finish_snapshot(step + 1)
+        finally:
+            self._exchange.spans.add("snapshot", t0, time.perf_counter())
 
     def device_memory(self) -> dict:
         """This host's devices' memory as JAX counts it (peak_bytes_in_use,
@@ -270,7 +274,8 @@ class SliceWorker:
     def exchange_stats(self) -> dict:
         """Cross-slice exchange counters since start: applies, bytes of
         gradient blocks received from other slices' hosts, bytes of this
-        slice's own payloads taken."""
+        slice's own payloads taken, and seconds: in the exchange, and of
+        other work inside its windows (worker/overlap.py)."""
         return self._exchange.as_dict()
 
     # -- state -------------------------------------------------------------

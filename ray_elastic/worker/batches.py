@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -26,9 +27,11 @@ class BatchReader:
     shard's rows its devices hold). A make_batch that takes `rows` is asked
     for those only; any other gives the whole shard, cut here."""
 
-    def __init__(self, program: Any, seed: int, num_shards: int, rows: slice, eval_rows: Optional[slice]):
+    def __init__(self, program: Any, seed: int, num_shards: int, rows: slice, eval_rows: Optional[slice],
+                 on_read: Optional[Callable[[float, float], None]] = None):
         self._program, self._seed, self._num_shards = program, seed, num_shards
         self._rows, self._eval_rows = rows, eval_rows
+        self._on_read = on_read  # told each read's (start, end), on time.perf_counter
         self._ahead: dict[tuple[int, int], concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self._pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -61,6 +64,14 @@ class BatchReader:
         return {k: np.asarray(v)[self._eval_rows] for k, v in make(self._seed, shard, self._num_shards).items()}
 
     def _read_train(self, step: int, shard: int) -> dict:
+        t0 = time.perf_counter()
+        try:
+            return self._make_train(step, shard)
+        finally:
+            if self._on_read is not None:
+                self._on_read(t0, time.perf_counter())
+
+    def _make_train(self, step: int, shard: int) -> dict:
         make: Callable = self._program.make_batch
         if self._program.batch_takes_rows:
             return _checked(make(self._seed, step, shard, self._num_shards, rows=self._rows), self._rows,

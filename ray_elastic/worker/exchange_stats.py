@@ -8,7 +8,8 @@ and the direct hand-off with its reduction tree (reduction.py). Seconds
 are this host's own (`exchange_s`): cutting and casting what it sends,
 summing, and laying the sums back into leaves; not Ray's copies into the
 object store, which happen after a call returns. Waiting for the inputs
-and fetching them is counted apart (`inputs_s`)."""
+and fetching them is counted apart (`inputs_s`). What other work ran
+inside the exchange's windows is counted too (worker/overlap.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import Optional
 import numpy as np
 
 from ray_elastic.worker.chunks import chunk_bytes
+from ray_elastic.worker.overlap import SpanOverlap
 
 __all__ = ["ExchangeStats", "part_bytes", "payload_bytes"]
 
@@ -28,6 +30,7 @@ class ExchangeStats:
         self._slice_id = slice_id
         self._counts = {"applies": 0, "bytes_from_other_slices": 0, "own_bytes": 0, "sent_bytes": 0,
                         "reduce_bytes_in": 0, "gather_bytes_in": 0, "exchange_s": 0.0, "inputs_s": 0.0}
+        self.spans = SpanOverlap()  # the exchange's windows and the work beside them
 
     def _taken(self, parts: tuple, field: str) -> None:
         other = own = 0
@@ -65,8 +68,8 @@ class ExchangeStats:
         self._counts["inputs_s"] += seconds
 
     def as_dict(self) -> dict:
-        """The counters (a copy)."""
-        return dict(self._counts)
+        """The counters and the overlap's seconds (a copy)."""
+        return {**self._counts, **self.spans.as_dict()}
 
 
 def part_bytes(part: Optional[dict]) -> int:

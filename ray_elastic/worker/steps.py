@@ -14,6 +14,7 @@ so the state does not depend on which slice computed which shard.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Optional
@@ -57,7 +58,8 @@ class SliceSteps:
         # The model state's reduction (program.py); partial sums add, but for "max".
         self._state_reduction = layout.program.model_state_reduction
         self._state_op = "max" if self._state_reduction == "max" else "sum"
-        self._batches = BatchReader(layout.program, seed, num_shards, compiled.rows, compiled.eval_rows)
+        self._batches = BatchReader(layout.program, seed, num_shards, compiled.rows, compiled.eval_rows,
+                                    on_read=functools.partial(exchange.spans.add, "batch"))
         self.delay_s = 0.0  # added to every gradient call: a `slow` fault (SliceWorker.slow_down)
         # Steps whose new state is fingerprinted (0: none): the controller
         # compares the replicas (control/integrity.py); off the step's path
@@ -70,6 +72,7 @@ class SliceSteps:
         self.grad_check_every = 0
         self._grad_prints: tuple[int, dict] = (-1, {})
         self._grads_time: tuple[int, float, int] = (-1, 0.0, 0)  # (step, seconds, shards) of the last gradients
+        self._window_from: tuple[int, float] = (-1, 0.0)  # (step, when) the last gradients were ready
         # A `corrupt` fault (SliceWorker.corrupt): "state" or "grads", and
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
@@ -120,7 +123,10 @@ class SliceSteps:
                 state = jax.tree.map(_host_value, state)
                 out["model_state"][shard] = (jax.tree.map(lambda a: a * np.asarray(w, a.dtype), state)
                                              if self._state_reduction == "weighted_mean" else state)
-        self._grads_time = (step, time.perf_counter() - t0, len(shards))
+        t1 = time.perf_counter()
+        self._grads_time = (step, t1 - t0, len(shards))
+        self._exchange.spans.add("compute", t0, t1)
+        self._window_from = (step, t1)  # the exchange's window opens: this host's gradients are ready
         if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
             out["eval"] = self._evaluate(step, shards, speaks)
         if plan is not None:
@@ -276,7 +282,10 @@ class SliceSteps:
         t0 = time.perf_counter()
         sums = [p for p in parts if p and "chunk" in p]
         total = self._gathered(tuple(sums)) if sums else reduce_pieces(jax.tree.map, None, parts, self._state_op)
-        self._exchange.gathered(parts, time.perf_counter() - t0)
+        t1 = time.perf_counter()
+        self._exchange.gathered(parts, t1 - t0)
+        if self._window_from[0] == step:
+            self._exchange.spans.add("exchange", self._window_from[1], t1)
         values = step_values(total, program.aux)
         if not math.isfinite(values.loss) and program.post_update is None:
             raise NonFiniteLoss(step, values.loss)
