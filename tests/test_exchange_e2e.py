@@ -135,6 +135,9 @@ def test_bytes_per_host_are_at_the_ring_bound(baselines, cluster, slices, layout
         assert (st["reduce_bytes_in"] > 0) == (slices > 2) and st["gather_bytes_in"] > 0
         # One piece per slice: what a host sends per step is one gradient.
         assert st["sent_bytes"] / st["applies"] == pytest.approx(grad, rel=0.01)
+        # Each host's exchange windows (gradients ready to sums laid out,
+        # worker/overlap.py) were timed, and none covers its own compute.
+        assert st["exchange_window_s"] > 0 and st["compute_s"] > 0 and st["compute_in_exchange_s"] == 0
     assert report.losses[-1] < report.losses[0]
 
 
