@@ -9,7 +9,14 @@ state, as on an accelerator (params and Adam state, float32):
 
 Figures per size and variant: median and mean step (the first `SKIP`
 steps left out), the peak resident memory of a worker (ray_elastic) or a
-process (plain) from the second step on, failures, steps redone.
+process (plain) from the second step on, failures, steps redone. For a
+failure-free ray_elastic run, where a host's step goes (its
+`exchange_stats`, read after step `SKIP` and at the end, per step, median
+host): the gradient compute (`compute_s`: the shards' gradients to their
+values on the host), the exchange's window (the gradients on the host to
+the sum laid out: the host path, worker/overlap.py) and the rest of the
+step (the update, the driver's calls), with the gradient bytes a host
+sends per step and the window's seconds per GB of them.
 Targets: no false failure at any size; at 2 GB the mean step at most
 plain's and the peak at most 1.15x plain's; the kill recovered with 0
 steps redone.
@@ -107,27 +114,52 @@ def elastic_run(config, steps: int, kill_at: int = 0, exchange: str = "reduce_sc
         def on_start(self, trainer):
             self.trainer = trainer
 
+        def _stats(self):
+            import ray
+
+            t = self.trainer
+            return [st for s in sorted(t.members.live)
+                    for st in ray.get([w.exchange_stats.remote() for w in t.members.backend.workers(s)], timeout=60)]
+
         def on_step(self, step, metrics):
             t = self.trainer
             if step == 1:  # from the second step on, as the plain job samples
                 seen["sampler"] = PeakSampler(lambda: [i["pid"] for s in sorted(t.members.live)
                                                        for i in t.hosts(s)]).start()
+            if not kill_at and step in (SKIP, steps):
+                seen[step] = self._stats()
 
     faults = (Fault("kill", 1, kill_at),) if kill_at else ()
     trainer = ElasticTrainer(functools.partial(lm.make_program, config), cfg, steps, faults=faults,
                              callbacks=[Probe()])
     report = trainer.fit()
     peaks = seen["sampler"].stop() if "sampler" in seen else {}
-    return {"step_times": list(report.step_times), "steps_completed": report.steps_completed,
+    parts = _step_parts(seen[SKIP], seen[steps]) if SKIP in seen and steps in seen else None
+    return {"step_times": list(report.step_times), "steps_completed": report.steps_completed, "parts": parts,
             "peak_bytes": max((p.get("peak_VmRSS", 0) for p in peaks.values()), default=0),
             "failures": [f.kind for f in report.failures],
             "steps_redone": sum(f.steps_rewound for f in report.failures)}
 
 
+def _step_parts(start: list, end: list) -> dict:
+    """Per step, median host: seconds of gradient compute, of the
+    exchange's window, and the bytes sent, between two reads of the hosts'
+    counters."""
+    hosts = []
+    for a, b in zip(start, end):
+        n = b["applies"] - a["applies"]
+        hosts.append({k: (b[k] - a[k]) / n for k in ("compute_s", "exchange_window_s", "exchange_s", "inputs_s",
+                                                      "sent_bytes")})
+    return {k: statistics.median(h[k] for h in hosts) for k in hosts[0]}
+
+
 def figures(r: dict) -> dict:
     t = r["step_times"][SKIP:]
-    return {"median_step_s": statistics.median(t), "mean_step_s": statistics.fmean(t), "peak_gb": r["peak_bytes"] / 1e9,
-            "failures": r["failures"], "steps_redone": r["steps_redone"]}
+    out = {"median_step_s": statistics.median(t), "mean_step_s": statistics.fmean(t), "peak_gb": r["peak_bytes"] / 1e9,
+           "failures": r["failures"], "steps_redone": r["steps_redone"]}
+    if r.get("parts"):
+        out["parts"] = r["parts"]
+    return out
 
 
 def run(steps: int, quick: bool = False, kill: bool = True, log=print) -> dict:
@@ -162,4 +194,17 @@ def table(result: dict) -> str:
         lines.append(f"| {r['state_gb']:.2f} GB | {r['variant']} | {r['median_step_s']:.3f} | {r['mean_step_s']:.3f} | "
                      f"{ratio_t} | {r['peak_gb']:.2f} | {ratio_m} | {len(r['failures'])} {','.join(r['failures'])} | "
                      f"{r['steps_redone']} |")
+    parted = [r for r in result["rows"] if r.get("parts")]
+    if parted:
+        lines += ["", "Where a ray_elastic host's step goes (per step, median host; the window: its gradients on "
+                      "the host to the sum laid out for the update):", "",
+                  "| state | mean step (s) | compute (s) | exchange window (s) | of it, own work (s) | rest (s) | "
+                  "sent MB/step | window s per GB sent |", "|---|---|---|---|---|---|---|---|"]
+        for r in parted:
+            p = r["parts"]
+            rest = r["mean_step_s"] - p["compute_s"] - p["exchange_window_s"]
+            per_gb = p["exchange_window_s"] / (p["sent_bytes"] / 1e9) if p["sent_bytes"] else float("nan")
+            lines.append(f"| {r['state_gb']:.2f} GB | {r['mean_step_s']:.3f} | {p['compute_s']:.3f} | "
+                         f"{p['exchange_window_s']:.3f} | {p['exchange_s']:.3f} | {rest:.3f} | "
+                         f"{p['sent_bytes'] / 1e6:.1f} | {per_gb:.2f} |")
     return "\n".join(lines)

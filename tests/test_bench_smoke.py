@@ -269,7 +269,11 @@ def test_sizes_quick(cluster, nodes):
     rows = {r["variant"]: r for r in result["rows"]}
     assert set(rows) == {"ray_elastic", "plain"} and all(r["failures"] == [] for r in rows.values())
     assert 0.25 < rows["plain"]["state_gb"] < 0.35 and all(r["peak_gb"] > rows["plain"]["state_gb"] for r in rows.values())
-    assert "| 0.30 GB | ray_elastic |" in sizes.table(result)
+    parts = rows["ray_elastic"]["parts"]  # where a host's step went: both parts timed, the gradient sent
+    assert parts["compute_s"] > 0 and parts["exchange_window_s"] > 0 and parts["sent_bytes"] > 0
+    assert parts["compute_s"] + parts["exchange_window_s"] < 1.5 * rows["ray_elastic"]["mean_step_s"]
+    text = sizes.table(result)
+    assert "| 0.30 GB | ray_elastic |" in text and "window s per GB sent" in text
 
 
 @pytest.mark.slow

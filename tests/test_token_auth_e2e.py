@@ -123,11 +123,13 @@ class TokenHead:
         # Short: Ray's socket paths under it must stay below 108 bytes.
         self.dir = tempfile.mkdtemp(prefix="re-auth-", dir="/tmp")
         self.homes = tempfile.mkdtemp(prefix="re-auth-homes-")  # clients' HOMEs, outside the cluster's folder
-        first = _free_port_block(12)
+        # One block for the components and the workers: two blocks drawn
+        # apart could overlap, which `ray start` refuses.
+        first = _free_port_block(12 + 60)
         self.gcs_port, self.dashboard_port, self.client_port = first, first + 1, first + 2
         self.gcs = f"127.0.0.1:{self.gcs_port}"
         self.url = f"http://127.0.0.1:{self.dashboard_port}"
-        self.workers = _free_port_block(60)
+        self.workers = first + 12
         self.env = _base_env(self._home("head"))
         self.env.update(_head_env_from_manifest())
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=TOKEN)  # what KubeRay sets from its Secret
