@@ -50,6 +50,31 @@ def lm_factory():
 
 
 @pytest.fixture(scope="session")
+def failure_free(cluster, lm_factory):
+    """failure_free(steps): (trainer, report) of a failure-free run of the
+    example LM on 2 one-host slices, made once per step count for the
+    session: the reference of every module that compares a recovered run
+    with it (policy, snapshot and checkpoint settings change no value, and
+    each such module checks its own runs against it bitwise)."""
+    from ray_elastic import ElasticConfig, ElasticTrainer
+
+    made: dict = {}
+
+    def get(steps: int):
+        if steps not in made:
+            cluster.ensure_nodes(2)  # an earlier module may have left fewer
+            trainer = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), steps,
+                                     keep_final_state=True)
+            report = trainer.fit()
+            assert report.steps_completed == steps and not report.failures, report.failures
+            assert report.losses[-1] < report.losses[0]
+            made[steps] = (trainer, report)
+        return made[steps]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def gcs():
     """A real GCS-compatible server on loopback, with Orbax pointed at it."""
     from tests.fake_gcs import FakeGcs

@@ -29,12 +29,11 @@ def _leaves(state):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster, lm_factory):
+def reference(failure_free):
     """Failure-free, checkpoint-free run of 16 steps (pause, 2 slices)."""
-    cluster.ensure_nodes(2)  # an earlier module may have left fewer
-    t = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="pause"), 16, keep_final_state=True)
-    assert_no_failures(t.fit())
-    return t.final_state
+    trainer, report = failure_free(16)
+    assert_no_failures(report)
+    return trainer.final_state
 
 
 def _trainer(factory, steps, path):

@@ -77,14 +77,9 @@ def _add_node_on(cluster, event_name):
 
 
 @pytest.fixture(scope="module")
-def baseline(cluster, lm_factory):
+def baseline(failure_free):
     """A failure-free run: the reference every recovered run must match."""
-    ray.get([])  # cluster connected
-    cluster.ensure_nodes(2)  # whatever an earlier module left
-    trainer, report = _run(lm_factory, _config(policy="pause"))
-    assert report.steps_completed == STEPS and not report.failures
-    assert report.losses[-1] < report.losses[0]
-    return trainer.final_state
+    return failure_free(STEPS)[0].final_state
 
 
 def _common_checks(report, kind):

@@ -39,11 +39,10 @@ def _assert_same_state(a, b, exact=True):
 
 
 @pytest.fixture(scope="module")
-def two_slice_ref(cluster, lm_factory):
+def two_slice_ref(failure_free):
     """A failure-free run on 2 one-host slices: the reference of the tests
     below (snapshot settings and slice shapes change no value)."""
-    cluster.ensure_nodes(2)
-    ref, report = _run(lm_factory, ElasticConfig(num_slices=2, policy="pause"))
+    ref, report = failure_free(STEPS)
     assert_no_failures(report)
     return ref, report
 
