@@ -186,3 +186,30 @@ def test_at_most_max_chunks_owners_whatever_the_slice_count():
     want, _ = _exchange(ExchangePlan(1, 64, plan.shards, 8), {s: (s,) for s in range(64)})
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
+
+
+def test_sums_are_fresh_aligned_arrays_that_assemble_takes_without_a_copy():
+    """A fold's sums start on a 64-byte boundary (XLA's CPU client then
+    takes them without a copy), and assemble keeps a whole-leaf sum as it
+    is, but copies what is not wholly its own (a read-only view)."""
+    from ray_elastic.worker.chunks import ALIGN, aligned_empty, fold
+
+    def stored(x):  # as the object store gives arrays: read-only views of its buffer
+        x = np.asarray(x)
+        return np.frombuffer(x.tobytes(), x.dtype).reshape(x.shape)
+
+    a = [stored(np.arange(1000, dtype=np.float32)), stored(np.float32(1))]
+    b = [stored(np.ones(1000, np.float32)), stored(np.float32(2))]
+    summed = fold([a, b])
+    assert all(s.ctypes.data % ALIGN == 0 and s.flags.writeable for s in summed)
+    assert float(summed[1]) == 3.0 and summed[1].shape == ()
+    leaves = assemble([{"chunk": 0, "sum": summed}], [summed[0], summed[1]])
+    assert np.shares_memory(leaves[0], summed[0])  # taken as it is
+    assert leaves[0].ctypes.data % ALIGN == 0
+    # A read-only view (a sum from another slice, through the object store) is copied, aligned.
+    copied = assemble([{"chunk": 0, "sum": a}], [a[0], a[1]])
+    assert not np.shares_memory(copied[0], a[0]) and copied[0].flags.writeable and copied[0].ctypes.data % ALIGN == 0
+    np.testing.assert_array_equal(copied[0], a[0])
+    # Part of a fresh array is not all of it: copied too.
+    part = aligned_empty((8,), np.float32)[:4]
+    assert not np.shares_memory(assemble([{"chunk": 0, "sum": [part]}], [part])[0], part)

@@ -31,10 +31,33 @@ import numpy as np
 
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 
-__all__ = ["assemble", "chunk_bytes", "cut", "fold", "in_plan_order", "pieces", "sum_chunk", "wire"]
+__all__ = ["aligned_empty", "assemble", "chunk_bytes", "cut", "fold", "in_plan_order", "pieces", "sum_chunk", "wire"]
 
 # Per-shard scalars a gradient call reports, carried to the apply with chunk 0.
 SCALARS = ("loss", "weight", "aux", "eval")
+
+# XLA's CPU client takes a host array without a copy when its data is
+# aligned to this many bytes (numpy's own allocations are 16-byte aligned):
+# the summed gradient then reaches a CPU slice's update with no copy (a
+# copy measured ~0.47 s per 706 MB here).
+ALIGN = 64
+
+
+def aligned_empty(shape: tuple, dtype: Any) -> np.ndarray:
+    """An uninitialized array whose data starts on an ALIGN-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGN
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def _all_of_aligned(a: np.ndarray) -> bool:
+    """Whether `a` is the whole of an `aligned_empty` array: writeable
+    memory of its own, not a view of another array or of the object store."""
+    base = a.base
+    return (isinstance(base, np.ndarray) and base.base is None and base.flags.owndata and base.dtype == np.uint8
+            and base.nbytes == a.nbytes + ALIGN and a.flags.writeable)
 
 
 def fold(values: Sequence[list]) -> list:
@@ -43,10 +66,10 @@ def fold(values: Sequence[list]) -> list:
     is a fresh array (the inputs may be read-only object-store views)."""
     if len(values) == 1:
         return list(values[0])
-    # A fresh array: one pass, not a copy and an add. np.asarray, as np.add
-    # of two 0-d arrays (a scalar parameter) gives a numpy scalar, which
-    # `+=` below would rebind rather than add into.
-    acc = [np.asarray(np.add(a, b)) for a, b in zip(values[0], values[1])]
+    # A fresh, aligned array: one pass, not a copy and an add (`out`, also
+    # for a 0-d leaf, where np.add would give a numpy scalar that `+=` below
+    # would rebind rather than add into).
+    acc = [np.add(a, b, out=aligned_empty(np.shape(a), np.result_type(a, b))) for a, b in zip(values[0], values[1])]
     for v in values[2:]:
         for a, b in zip(acc, v):
             a += b
@@ -187,10 +210,11 @@ def assemble(sums: Sequence[dict], template: Sequence[Any]) -> list:
     for spec in template:
         size = math.prod(spec.shape)
         seg = next(segments) if size else None
-        if seg is not None and seg.size == size and seg.dtype == spec.dtype and seg.flags.owndata:
+        if (seg is not None and seg.size == size and seg.dtype == spec.dtype
+                and (seg.flags.owndata or _all_of_aligned(seg))):
             out.append(seg.reshape(spec.shape))  # a whole leaf summed here: already a fresh array of its own
             continue
-        buf = np.empty(size, dtype=spec.dtype)
+        buf = aligned_empty((size,), spec.dtype)
         filled = 0
         while filled < size:
             seg = next(segments) if seg is None else seg
