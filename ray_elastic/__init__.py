@@ -6,6 +6,7 @@ from ray_elastic.checkpoint import CheckpointConfig
 from ray_elastic.errors import CheckpointSaveFailed, CheckpointStorageFailed, StorageError
 from ray_elastic.config import CpuSlice, ElasticConfig, GpuSlice, TpuSlice
 from ray_elastic.trainer import ElasticTrainer
+from ray_elastic.cluster.kept_workers import release_workers
 from ray_elastic.errors import (
     ConfigError,
     ElasticError,
@@ -44,6 +45,7 @@ __all__ = [
     "TpuSlice",
     "ElasticConfig",
     "ElasticTrainer",
+    "release_workers",
     "TrainProgram",
     "LossOutput",
     "StepContext",

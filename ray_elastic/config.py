@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import Any, Optional, Union
 
 from ray_elastic.errors import ConfigError
 from ray_elastic.paths import work_path
 
-__all__ = ["CpuSlice", "GpuSlice", "TpuSlice", "ElasticConfig", "SliceSpec"]
+__all__ = ["CpuSlice", "GpuSlice", "TpuSlice", "ElasticConfig", "KEEP_WORKERS_ENV", "SliceSpec"]
 
 POLICIES = ("pause", "resize")
 BATCH_MODES = ("accumulate", "shrink")
 EXCHANGES = ("reduce_scatter", "direct")
 EXCHANGE_DTYPES = (None, "bfloat16")
+# "1" in the driver's environment: ElasticConfig.keep_workers defaults to True.
+KEEP_WORKERS_ENV = "RAY_ELASTIC_KEEP_WORKERS"
 
 
 def _number(value: Any) -> bool:
@@ -258,6 +261,17 @@ class ElasticConfig:
         per worker (224 MB resident here). 0 turns it off (worker/warm_pool.py).
         Where the job has its own worker_process_setup_hook, the process is
         still started ahead but imports nothing ahead.
+    keep_workers: False (the default): a run's slices end with it. True: a
+        run that completes keeps its slices (placement groups, processes,
+        compiled steps) for this driver's next `fit` with the same program,
+        seed, shard count and slice shape, which starts on them in a
+        fraction of a second with only its step-0 state made anew, and
+        computes what new workers would, bitwise. Kept slices hold their
+        resources until a run that cannot use them starts,
+        `ray_elastic.release_workers()` or the driver's exit
+        (cluster/kept_workers.py). For notebooks, sweeps and test suites;
+        RAY_ELASTIC_KEEP_WORKERS=1 in the driver's environment makes True
+        the default.
     slices_per_leader: 0 (the default): the driver calls every slice
         itself, two calls per slice per step plus the reduction tree. N:
         one group leader actor per about N slices, beside the driver, makes
@@ -304,6 +318,7 @@ class ElasticConfig:
     seed: int = 0
     spare_slices: int = 0
     warm_workers: int = 1
+    keep_workers: bool = dataclasses.field(default_factory=lambda: os.environ.get(KEEP_WORKERS_ENV, "") == "1")
     batch_shards: Optional[int] = None
     slices_per_leader: int = 0
     exchange: str = "reduce_scatter"
@@ -367,6 +382,8 @@ class ElasticConfig:
             # One per host is what a replacement takes, and each worker that
             # takes one asks for the next: more would only pile up.
             raise ConfigError("warm_workers", f"must be 1 (the warm pool on) or 0 (off), got {self.warm_workers!r}")
+        if not isinstance(self.keep_workers, bool):
+            raise ConfigError("keep_workers", f"must be True or False, got {self.keep_workers!r}")
         if not _count(self.spare_slices) or self.spare_slices < 0:
             raise ConfigError("spare_slices", f"must be an integer >= 0, got {self.spare_slices!r}")
         if not _count(self.slices_per_leader) or self.slices_per_leader < 0 or self.slices_per_leader == 1:

@@ -138,7 +138,7 @@ class FakeBackend:
     def attach_checkpoints(self, coordinator, s):
         pass
 
-    def shutdown(self):
+    def shutdown(self, keep=False):
         pass
 
 

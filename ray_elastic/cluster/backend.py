@@ -108,4 +108,6 @@ class SliceBackend(Protocol):
     def attach_checkpoints(self, coordinator: Any, slice_id: int) -> None:
         """Give the checkpoint coordinator the state's structure."""
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, keep: bool = False) -> None:
+        """End the run's slices (`keep`: the run completed; its live slices
+        may be kept for the driver's next run: cluster/kept_workers.py)."""

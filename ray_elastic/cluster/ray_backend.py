@@ -47,13 +47,14 @@ class RayBackend:
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
         state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0,
-        exchange: tuple = ("reduce_scatter", None, 0),
+        exchange: tuple = ("reduce_scatter", None, 0), keep_workers: bool = False,
     ):
         cls = provisioner or RaySlices
         self._slices: SliceProvisioner = cls(
             spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
             warm_workers=warm_workers, state_check_every=state_check_every,
             grad_check_every=grad_check_every, final_step=final_step,
+            **({"keep_workers": True} if keep_workers else {}),  # a drop-in provisioner need not know of it
         )
         probe = RayProbe()
         beats = probe.heartbeats(clock, heartbeat_timeout_s) if heartbeat_timeout_s > 0 else None
@@ -273,7 +274,12 @@ class RayBackend:
         return [w.save_checkpoint.options(concurrency_group="checkpoint").remote(path, keep, meta, save_id, parts[h])
                 for h, w in enumerate(workers)]
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: bool = False) -> None:
+        """End the run's slices; `keep` (a completed run): those live are
+        kept for this driver's next run where the run keeps workers
+        (cluster/kept_workers.py)."""
+        kept = [self._up.pop(s) for s in sorted(self._up)] if keep else []
+        self.runner.drop_ahead()
         for s in list(self._up) + list(self._coming):
             self.retire(s)
         if isinstance(self.runner, GroupedRunner):
@@ -283,7 +289,10 @@ class RayBackend:
             # issued ahead of the failed step): read once done, so that Ray
             # prints no "Unhandled error" for them (dispatch/unread.py).
             self.runner.unread.sweep(timeout_s=2.0)
-        self._slices.shutdown()
+        if kept:
+            self._slices.shutdown(keep=kept)
+        else:
+            self._slices.shutdown()
 
 
 def _answers(workers: list, timeout_s: float = 2.0) -> bool:

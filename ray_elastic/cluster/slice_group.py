@@ -20,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ray_elastic.cluster import kept_workers
 from ray_elastic.config import CpuSlice, GpuSlice, SliceSpec, TpuSlice
 from ray_elastic.program import TrainProgram
 from ray_elastic.failures import process_state
@@ -110,7 +111,7 @@ class SliceProvisioner(Protocol):
 
     def __init__(self, spec: SliceSpec, program_factory: Callable[[], TrainProgram], seed: int, num_shards: int,
                  run_name: str, compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0,
-                 grad_check_every: int = 0, final_step: int = 0): ...
+                 grad_check_every: int = 0, final_step: int = 0, keep_workers: bool = False): ...
 
     def start(self, slice_id: int) -> Provisioning:
         """Queue a slice's workers (on its placement group, made if new)."""
@@ -133,7 +134,9 @@ class SliceProvisioner(Protocol):
 
     def placement_group_state(self, slice_id: int) -> str: ...
 
-    def shutdown(self) -> None: ...
+    def shutdown(self, keep: Sequence[LiveSlice] = ()) -> None:
+        """Remove the run's groups and workers; with `keep_workers`, park
+        the `keep` slices (a completed run's) for the next run instead."""
 
 
 class RaySlices:
@@ -151,6 +154,7 @@ class RaySlices:
         state_check_every: int = 0,
         grad_check_every: int = 0,
         final_step: int = 0,
+        keep_workers: bool = False,
     ):
         self.spec = spec
         self._warm = warm_workers
@@ -172,6 +176,11 @@ class RaySlices:
         self._evicted: set[str] = set()  # node ids no new group may use
         self._predecessors: list[Predecessor] = []  # processes given up on: new workers wait for them to exit
         self._unread: list = []  # the watchers' replies to `end`, held so that Ray does not report them
+        # Slices kept from this driver's last run serve this one where
+        # everything their workers were built from is the same, whether
+        # this run keeps its own or not (kept_workers.py).
+        self._keep = keep_workers
+        self._keep_key = kept_workers.kept_key(program_factory, seed, num_shards, spec, self._env, compile_cache_dir)
 
     # -- placement groups -------------------------------------------------
 
@@ -227,6 +236,9 @@ class RaySlices:
 
     def start(self, slice_id: int) -> Provisioning:
         """Queue a slice's workers; they start once its group is placed."""
+        kept = self._kept(slice_id)
+        if kept is not None:
+            return kept
         pg = self._placement_group(slice_id)
         hosts = len(self.spec.bundles())
         created_at = time.time()  # wall clock: the workers time their phases from it
@@ -243,6 +255,30 @@ class RaySlices:
             info_refs=[w.info.remote() for w in workers],
             setup_refs=[w.setup.remote(coordinator, self._cache_dir, self._warm, *self._checks,
                                        predecessors=tuple(self._predecessors)) for w in workers],
+            started_at=time.monotonic(),
+        )
+
+    def _kept(self, slice_id: int) -> Optional[Provisioning]:
+        """The slice's workers kept from this driver's last run, renewed
+        for this one; None where there are none (a new placement group is
+        then made: the slices kept for other ids are released first, as
+        their resources may be the ones it needs)."""
+        if slice_id in self._pgs or not kept_workers.held():
+            return None
+        kept = kept_workers.take(self._keep_key, slice_id)
+        if kept is None:
+            kept_workers.release_workers()
+            return None
+        self._pgs[slice_id] = kept.placement_group
+        if kept.tpu_handle is not None:
+            self._tpu_handles[slice_id] = kept.tpu_handle
+        # A kept multi-host slice keeps its JAX system: no coordinator to start.
+        return Provisioning(
+            slice_id=slice_id,
+            workers=kept.workers,
+            info_refs=[w.info.remote() for w in kept.workers],
+            setup_refs=[w.renew.options(concurrency_group="compute").remote(self._warm, *self._checks)  # after any call left from the last run
+                        for w in kept.workers],
             started_at=time.monotonic(),
         )
 
@@ -332,21 +368,28 @@ class RaySlices:
         table = ray.util.placement_group_table(pg)
         return table.get("state", "UNKNOWN")
 
-    def shutdown(self) -> None:
+    def shutdown(self, keep: Sequence[LiveSlice] = ()) -> None:
         for pg, handle in self._abandoned:
             _remove(pg, handle)
         self._abandoned = []
-        for pg in self._pgs.values():
-            try:
-                remove_placement_group(pg)
-            except Exception:
-                pass
-        for handle in self._tpu_handles.values():
-            try:
-                handle.shutdown()
-            except Exception:
-                pass
+        for live in keep if self._keep else ():
+            if live.slice_id in self._pgs and _reusable(live.workers):
+                kept_workers.park(kept_workers.KeptSlice(
+                    self._keep_key, live.slice_id, self._pgs.pop(live.slice_id),
+                    self._tpu_handles.pop(live.slice_id, None), list(live.workers), kept_workers.session()))
+        for slice_id, pg in self._pgs.items():
+            _remove(pg, self._tpu_handles.get(slice_id))
         self._pgs.clear()
+        self._tpu_handles.clear()
+
+
+def _reusable(workers: list, timeout_s: float = 2.0) -> bool:
+    """Whether every worker of a slice can serve another run (no fault
+    injected, no preemption notice: SliceWorker.reusable)."""
+    try:
+        return all(ray.get([w.reusable.remote() for w in workers], timeout=timeout_s))
+    except Exception:
+        return False
 
 
 def _phases(setups: list) -> dict:

@@ -192,8 +192,8 @@ class Controller:
                 self._snapshots.close()
             if self._ckpt is not None:  # a preemption's save still in flight commits first (saves.py)
                 (self._saves.finish if self._saves is not None else self._ckpt.shutdown)()
-            if backend is not None:
-                backend.shutdown()
+            if backend is not None:  # a completed run's slices serve the next where it keeps workers
+                backend.shutdown(keep=outcome == "completed" and self.config.keep_workers)
             for cb in self._callbacks:
                 cb.on_end(self.report)
         return self.report
@@ -236,7 +236,8 @@ class Controller:
             warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
             heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
             grad_check_every=c.grad_check_every, final_step=self.steps,
-            exchange=(c.exchange, c.exchange_dtype, (self._ckpt.facts if self._ckpt else c.run_facts())["exchange_blocks"]))
+            exchange=(c.exchange, c.exchange_dtype, (self._ckpt.facts if self._ckpt else c.run_facts())["exchange_blocks"]),
+            keep_workers=c.keep_workers)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}

@@ -42,7 +42,7 @@ from ray_elastic.worker.host_cache import HostCompileCache
 from ray_elastic.worker.inputs import Aborts, fetch_inputs
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.worker.predecessors import Predecessor, process_started, wait_gone
-from ray_elastic.worker.readiness import readiness_phases
+from ray_elastic.worker.readiness import phase_seconds, readiness_phases
 from ray_elastic.worker.setup import compile_step, free_port, lay_out, start_jax
 from ray_elastic.worker.state import HeldState
 from ray_elastic.worker.steps import SliceSteps
@@ -97,8 +97,11 @@ class SliceWorker:
         # the heap is frozen once built (gc_pauses.py).
         self._gc = GcPauses()
         self._first_apply_done = False
-        # Made by `setup`: the layout, the step, the state's transfers and checkpoints.
-        self._layout = self._steps = self._transfer = self._checkpoints = None
+        # A fault injected or a preemption notice: no later run may keep this process (reusable).
+        self._tainted = False
+        # Made by `setup`: the layout, the compiled step, the step, the state's transfers and checkpoints.
+        self._layout = self._compiled = self._steps = self._transfer = self._checkpoints = None
+        self._devices = 0
 
     @property
     def params(self) -> Any:
@@ -145,6 +148,37 @@ class SliceWorker:
         host: a sharded layout), ready_at and `phases`: seconds per part of
         the way from the actor's creation to ready (readiness.py)."""
         out = self._setup(coordinator, compile_cache_dir, predecessors)
+        return self._ready(out, warm_workers, state_check_every, grad_check_every, final_step)
+
+    def renew(self, warm_workers: int = 0, state_check_every: int = 0, grad_check_every: int = 0,
+              final_step: int = 0) -> dict:
+        """Serve a new run of the driver in this process, kept from its
+        last (cluster/kept_workers.py): the JAX system, layout and compiled
+        step stay; everything of a run (the held state, from its step-0
+        state again; the batches read ahead; aborts, counters, snapshots
+        and checkpoint writers) is made anew, so the run computes what new
+        workers would. The arguments and reply are setup's."""
+        t0, at = time.perf_counter(), time.time()
+        self._steps.close()
+        self._gc.thaw()
+        self._aborts = Aborts()
+        self._held = HeldState()
+        self._exchange = ExchangeStats(self.slice_id)
+        self._first_apply_done = False
+        self._build_run(self._compiled)
+        done = time.time()
+        # One phase: the run's parts made in the kept process (readiness.py names the others).
+        out = {"setup_s": time.perf_counter() - t0, "devices": self._devices, "phases": {"kept_process": phase_seconds(at, done)},
+               "ready_at": done, "per_host": self._layout.sharded, "predecessors": None}
+        return self._ready(out, warm_workers, state_check_every, grad_check_every, final_step)
+
+    def reusable(self) -> bool:
+        """Whether a later run may keep this process: no fault was
+        injected into it and no preemption notice came."""
+        return not self._tainted and self._notice.at is None
+
+    def _ready(self, out: dict, warm_workers: int, state_check_every: int, grad_check_every: int,
+               final_step: int) -> dict:
         out["gc_frozen"] = self._gc.freeze(collect=True)
         self._steps.check_every, self._steps.grad_check_every = state_check_every, grad_check_every
         self._steps.final_step = final_step
@@ -167,16 +201,25 @@ class SliceWorker:
             self._held.ensure()
         marks.append(("initial_state", time.time()))
         eager_state = (self._held.params, self._held.opt_state) if _EAGER_SETUP else None
-        compiled = compile_step(layout, self._seed, self._num_shards, marks, eager_state, cache.compile)
+        self._devices = len(devices)
+        self._compiled = compile_step(layout, self._seed, self._num_shards, marks, eager_state, cache.compile)
+        self._build_run(self._compiled)
+        phases = readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
+        return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": phases,
+                "ready_at": marks[-1][1], "per_host": layout.sharded,
+                "host_cache": {"hits": cache.hits, "misses": cache.misses}, "predecessors": gone}
+
+    def _build_run(self, compiled: Any) -> None:
+        """A run's parts over the layout and compiled step (the held state
+        started from step 0 where it is new)."""
+        layout = self._layout
+        if self._held.step < 0:
+            self._held.start(layout.initial)
         self._steps = SliceSteps(layout, compiled, self._held, slice_id=self.slice_id, host=self.host,
                                  seed=self._seed, num_shards=self._num_shards, exchange=self._exchange,
                                  notice=self._notice)
         self._transfer = StateTransfer(layout, compiled, self._held, self.slice_id, self.host)
         self._checkpoints = HostCheckpointing(layout, self._transfer, self._held, self.host, self.hosts)
-        phases = readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
-        return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": phases,
-                "ready_at": marks[-1][1], "per_host": layout.sharded,
-                "host_cache": {"hits": cache.hits, "misses": cache.misses}, "predecessors": gone}
 
     # -- one step, in two phases -------------------------------------------
 
@@ -343,6 +386,7 @@ class SliceWorker:
     def slow_down(self, ms: int) -> None:
         """A `slow` fault (failures/faults.py): every gradient call from now
         on takes `ms` milliseconds longer, as on a straggling host."""
+        self._tainted = True
         self._steps.delay_s = ms / 1000.0
 
     def hold_gil(self, ms: int) -> None:
@@ -351,6 +395,8 @@ class SliceWorker:
         extension does: no thread of this process (pings included) runs
         Python meanwhile, yet the process is alive and busy."""
         import ctypes
+
+        self._tainted = True
 
         class Timespec(ctypes.Structure):
             _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
@@ -364,6 +410,7 @@ class SliceWorker:
         Ray's memory monitor may end by killing this process."""
         import numpy as np
 
+        self._tainted = True
         held = [np.ones(64 * 2**20, dtype=np.uint8) for _ in range(max(1, mb // 64))]
         time.sleep(3.0)
         del held
@@ -374,4 +421,5 @@ class SliceWorker:
         gradient sent ("grads"), or of the next cross-check's computation
         ("check"); `lasting`: at every step from then on, as a chip gone
         bad would."""
+        self._tainted = True
         self._steps.corrupt = (target, lasting)

@@ -55,6 +55,16 @@ class BatchReader:
                 if (step, shard) not in self._ahead:
                     self._ahead[(step, shard)] = self._pool.submit(self._read_train, step, shard)
 
+    def close(self) -> None:
+        """Drop the reads ahead and end the read-ahead thread (a run ended)."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+            for f in self._ahead.values():
+                f.cancel()
+            self._ahead.clear()
+        if pool is not None:
+            pool.shutdown(wait=True)
+
     def held_out(self, shard: int) -> dict:
         """This host's rows of shard `shard` of the held-out set."""
         make = self._program.make_eval_batch

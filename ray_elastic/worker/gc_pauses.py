@@ -71,6 +71,12 @@ class GcPauses:
         self.frozen = gc.get_freeze_count()
         return self.frozen
 
+    def thaw(self) -> None:
+        """Undo `freeze`: a process kept for another run lets the cycles
+        of the last run's objects be collected (the next freeze collects)."""
+        gc.unfreeze()
+        self.frozen = 0
+
     def take(self) -> tuple[float, int]:
         """(the longest pause in seconds, full collections) since the last take."""
         with self._lock:

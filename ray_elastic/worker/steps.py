@@ -78,6 +78,10 @@ class SliceSteps:
         self.corrupt: Optional[tuple[str, bool]] = None
         self._template = None  # the gradient's treedef and leaves (shape, dtype), as a host sends it
 
+    def close(self) -> None:
+        """The run ended: drop the batches read ahead (the process may serve another)."""
+        self._batches.close()
+
     def grads(self, step: int, shards: tuple[int, ...], plan: Optional[ExchangePlan] = None) -> tuple:
         """(status, payload) of the gradients of `shards` at the held
         state, which must be that of step `step`: status {"loss": {shard:

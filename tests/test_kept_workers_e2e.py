@@ -1,0 +1,112 @@
+"""Slices kept from a completed run for the driver's next one
+(ElasticConfig.keep_workers, cluster/kept_workers.py), on a real local
+cluster: the next run starts in the same processes and computes, bit for
+bit, what new workers compute; a run with a fault injected, a run that
+cannot use them and `release_workers()` leave none behind."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import psutil
+import pytest
+import ray
+
+from ray_elastic import Callback, ConfigError, ElasticConfig, ElasticTrainer, Fault, release_workers
+from ray_elastic.config import KEEP_WORKERS_ENV
+
+pytestmark = pytest.mark.cluster
+
+STEPS = 8
+
+
+class _Pids(Callback):
+    """Each slice's worker pids, read once the run is under way."""
+
+    def __init__(self):
+        self.trainer = None
+        self.pids: dict[int, list[int]] = {}
+
+    def on_start(self, trainer):
+        self.trainer = trainer
+
+    def on_step(self, step, metrics):
+        if not self.pids:
+            self.pids = {s: [h["pid"] for h in self.trainer.hosts(s)] for s in self.trainer.members.live}
+
+
+def _run(factory, keep=True, seed=0, faults=()):
+    pids, events = _Pids(), []
+    trainer = ElasticTrainer(factory, ElasticConfig(num_slices=2, policy="pause", keep_workers=keep, seed=seed),
+                             STEPS, faults=faults, callbacks=[pids], keep_final_state=True, on_event=events.append)
+    report = trainer.fit()
+    assert report.steps_completed == STEPS and not report.failures, report.failures
+    kept = {e["slice"]: "kept_process" in e.get("phases", {}) for e in events if e["event"] == "slice_ready"}
+    return trainer, pids.pids, kept
+
+
+def _gone(pids, within_s: float = 30.0) -> bool:
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _bitwise(a, b) -> bool:
+    import jax
+
+    la, lb = jax.tree.leaves((a["params"], a["opt_state"])), jax.tree.leaves((b["params"], b["opt_state"]))
+    return len(la) == len(lb) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(la, lb))
+
+
+@pytest.fixture
+def fresh(nodes):
+    """Two nodes and nothing kept from earlier tests; nothing kept after."""
+    release_workers()
+    nodes(2)
+    yield
+    release_workers()
+
+
+def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh, lm_factory):
+    first, pids1, kept1 = _run(lm_factory)
+    assert kept1 == {0: False, 1: False}  # nothing was kept before it
+    second, pids2, kept2 = _run(lm_factory)
+    assert kept2 == {0: True, 1: True}
+    assert pids2 == pids1  # the same processes, not new ones
+    # Its step-0 state made again: the same bits as the run before (new workers).
+    assert _bitwise(first.final_state, second.final_state)
+    third, _, _ = _run(lm_factory, keep=False)  # takes them, keeps nothing after
+    assert _bitwise(first.final_state, third.final_state)
+    assert _gone([p for ps in pids1.values() for p in ps])
+    assert release_workers() == 0
+
+
+def test_a_worker_with_a_fault_injected_is_not_kept(fresh, lm_factory):
+    _, pids1, _ = _run(lm_factory, faults=(Fault("slow", 1, 2, ms=50),))
+    _, pids2, kept2 = _run(lm_factory)
+    assert kept2 == {0: True, 1: False}
+    assert pids2[0] == pids1[0] and pids2[1] != pids1[1]
+    assert _gone(pids1[1])
+
+
+def test_another_seed_or_release_workers_ends_the_kept_ones(fresh, lm_factory):
+    _, pids1, _ = _run(lm_factory)
+    _, pids2, kept2 = _run(lm_factory, seed=1)  # other workers' programs: the kept ones are released
+    assert kept2 == {0: False, 1: False}
+    assert _gone([p for ps in pids1.values() for p in ps])
+    assert release_workers() == 2
+    assert _gone([p for ps in pids2.values() for p in ps])
+    assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
+
+
+def test_keep_workers_is_a_bool_and_defaults_from_the_driver_s_environment(monkeypatch):
+    monkeypatch.delenv(KEEP_WORKERS_ENV, raising=False)
+    assert ElasticConfig().keep_workers is False
+    monkeypatch.setenv(KEEP_WORKERS_ENV, "1")
+    assert ElasticConfig().keep_workers is True
+    with pytest.raises(ConfigError, match="keep_workers"):
+        ElasticConfig(keep_workers="yes")
