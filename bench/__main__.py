@@ -1,4 +1,4 @@
-"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel|sizes|exchange] [--quick] [--out DIR] ...
+"""python -m bench [core|compare|scale|detect|soak|ready|hoststart|sharded|contract|data|snapshots|integrity|falsealarms|accel|sizes|exchange|kept] [--quick] [--out DIR] ...
 
 Runs the benchmarks on a real local multi-node Ray cluster made on the spot,
 prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
@@ -60,7 +60,10 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   (`--sizes`) and 1 and 4 shards per slice, and bfloat16 on the wire:
   bytes per host per step against the ring bound, the exchange's seconds,
   step time, peak memory (`--steps`, default 12; `--runs` rounds,
-  default 1); `--big`: the 2 GB state on 2 slices (`--runs`, default 2).
+  default 1); `--big`: the 2 GB state on 2 slices (`--runs`, default 2);
+- kept: a driver's next run on new workers against one on the slices its
+  last run kept (keep_workers): slices ready, whole fit, bitwise equal
+  (`--runs` rounds, default 5; `--steps`, default 12).
 """
 
 from __future__ import annotations
@@ -81,7 +84,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity",
-                                                                     "falsealarms", "accel", "sizes", "exchange"))
+                                                                     "falsealarms", "accel", "sizes", "exchange", "kept"))
     parser.add_argument("--cpu", action="store_true", help="accel: CPU slices on a local cluster, a small model")
     parser.add_argument("--big", action="store_true", help="exchange: the 2 GB state on 2 slices only")
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
@@ -172,6 +175,19 @@ def main(argv=None) -> int:
         print(text)
         write_result(args.out, "sizes", result, text)
         return 0
+
+    if args.suite == "kept":
+        from bench import kept
+
+        cluster = start_cluster(2)
+        try:
+            result = kept.run(runs=args.runs or (2 if args.quick else 5), steps=args.steps or 12)
+        finally:
+            cluster.shutdown()
+        text = kept.table(result)
+        print(text)
+        write_result(args.out, "kept", result, text)
+        return 0 if all(m["all_bitwise_equal"] and not m["failures"] for m in result["medians"].values()) else 1
 
     if args.suite == "exchange":
         from bench import exchange

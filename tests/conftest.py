@@ -17,12 +17,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Runs in this session keep their slices for the next run with the same
-# program and shape (ElasticConfig.keep_workers): most tests start on
-# workers already set up instead of new processes. Every replacement, and
-# the first run of each shape, still starts new ones, and
-# test_kept_workers_e2e checks that kept workers compute what new ones do.
-os.environ.setdefault("RAY_ELASTIC_KEEP_WORKERS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -55,6 +55,13 @@ def _gone(pids, within_s: float = 30.0) -> bool:
     return False
 
 
+def _idle_processes(settle_s: float = 3.0) -> int:
+    """Ray's idle worker processes on this machine (the warm pool's among
+    them), once those asked for have had time to start."""
+    time.sleep(settle_s)
+    return sum(1 for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::IDLE"))
+
+
 def _bitwise(a, b) -> bool:
     import jax
 
@@ -74,9 +81,13 @@ def fresh(nodes):
 def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh, lm_factory):
     first, pids1, kept1 = _run(lm_factory)
     assert kept1 == {0: False, 1: False}  # nothing was kept before it
+    idle = _idle_processes()
     second, pids2, kept2 = _run(lm_factory)
     assert kept2 == {0: True, 1: True}
     assert pids2 == pids1  # the same processes, not new ones
+    # The warm processes the first run's workers asked for serve them still:
+    # a kept worker asks for none again (they would pile up run after run).
+    assert _idle_processes() <= idle
     # Its step-0 state made again: the same bits as the run before (new workers).
     assert _bitwise(first.final_state, second.final_state)
     third, _, _ = _run(lm_factory, keep=False)  # takes them, keeps nothing after

@@ -18,13 +18,28 @@ LEAK_MB = 3000
 STEPS = 40  # the leak takes a second or two to grow: the run goes on meanwhile
 
 
+def _settled_use(limit_s: float = 15.0) -> float:
+    """The machine's memory in use (a fraction), once processes that an
+    earlier test ended have let theirs go: read with them still exiting,
+    the threshold came out too high for the leak to cross."""
+    import time
+
+    end, last = time.monotonic() + limit_s, None
+    while True:
+        vm = psutil.virtual_memory()
+        now = vm.total - vm.available
+        if last is not None and (abs(now - last) < 50e6 or time.monotonic() > end):
+            return now / vm.total
+        last = now
+        time.sleep(1.0)
+
+
 def test_a_worker_killed_by_rays_memory_monitor_is_an_oom_failure_the_run_recovers_from(cluster, lm_factory):
     cluster.ensure_nodes(1)
-    vm = psutil.virtual_memory()
-    used = (vm.total - vm.available) / vm.total
+    used = _settled_use()
     # 1 GB past what the machine uses: the run's own growth (its workers
     # starting) stays under it, the leak takes the node over it.
-    threshold = min(0.9, used + 1.0e9 / vm.total)
+    threshold = min(0.9, used + 1.0e9 / psutil.virtual_memory().total)
     tight = cluster.add_node(env={"RAY_memory_usage_threshold": f"{threshold:.4f}",
                                   "RAY_memory_monitor_refresh_ms": "100"})
     try:

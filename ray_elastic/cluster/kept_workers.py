@@ -24,8 +24,11 @@ needs a new placement group (its resources may be the ones held), by
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
+import os
+import sys
 import threading
 from typing import Any, Optional
 
@@ -53,13 +56,38 @@ _lock = threading.Lock()
 _kept: list[KeptSlice] = []
 
 
-def kept_key(*parts: Any) -> str:
+def kept_key(program_factory: Any, *parts: Any) -> str:
     """A digest of everything a slice's workers were built from (the
-    program factory, seed, shard count, slice shape, environment,
-    compile cache): two runs share workers only where these are equal."""
+    program factory, and with it `parts`: seed, shard count, slice shape,
+    environment, compile cache): two runs share workers only where these
+    are equal. A factory defined in the driver (a notebook's cell) is
+    pickled by value, its code with it; one imported from a module is
+    pickled by name, so the files of that module's package loaded here
+    count too, by size and time: an edited module gets new workers,
+    never stale ones."""
     from ray import cloudpickle
 
-    return hashlib.sha256(cloudpickle.dumps(parts)).hexdigest()
+    return hashlib.sha256(cloudpickle.dumps((program_factory, _package_files(program_factory)) + parts)).hexdigest()
+
+
+def _package_files(program_factory: Any) -> tuple:
+    """(module, size, mtime) of every loaded module of the factory's
+    top-level package (none for a factory of __main__)."""
+    while isinstance(program_factory, functools.partial):
+        program_factory = program_factory.func
+    top = (getattr(program_factory, "__module__", None) or "__main__").split(".")[0]
+    if top == "__main__":
+        return ()
+    out = []
+    for name, mod in sorted(sys.modules.items()):
+        path = getattr(mod, "__file__", None)
+        if path and (name == top or name.startswith(top + ".")):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            out.append((name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 def held() -> int:

@@ -157,7 +157,8 @@ class SliceWorker:
         step stay; everything of a run (the held state, from its step-0
         state again; the batches read ahead; aborts, counters, snapshots
         and checkpoint writers) is made anew, so the run computes what new
-        workers would. The arguments and reply are setup's."""
+        workers would. The arguments and reply are setup's; no warm
+        process is asked for again (the one set-up asked for stays)."""
         t0, at = time.perf_counter(), time.time()
         self._steps.close()
         self._gc.thaw()
@@ -170,7 +171,10 @@ class SliceWorker:
         # One phase: the run's parts made in the kept process (readiness.py names the others).
         out = {"setup_s": time.perf_counter() - t0, "devices": self._devices, "phases": {"kept_process": phase_seconds(at, done)},
                "ready_at": done, "per_host": self._layout.sharded, "predecessors": None}
-        return self._ready(out, warm_workers, state_check_every, grad_check_every, final_step)
+        # The warm process this worker asked for at its set-up is still
+        # there, unused (a replacement takes it): asking again would pile
+        # up idle processes run after run.
+        return self._ready(out, 0, state_check_every, grad_check_every, final_step)
 
     def reusable(self) -> bool:
         """Whether a later run may keep this process: no fault was
