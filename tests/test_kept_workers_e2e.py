@@ -36,14 +36,19 @@ class _Pids(Callback):
             self.pids = {s: [h["pid"] for h in self.trainer.hosts(s)] for s in self.trainer.members.live}
 
 
-def _run(factory, keep=True, seed=0, faults=(), **config):
+def _run(factory, keep=True, seed=0, faults=(), remove_node=None, **config):
     pids, events = _Pids(), []
     config.setdefault("num_slices", 2)
     trainer = ElasticTrainer(factory, ElasticConfig(policy="pause", keep_workers=keep, seed=seed, **config),
-                             STEPS, faults=faults, callbacks=[pids], keep_final_state=True, on_event=events.append)
+                             STEPS, faults=faults, callbacks=[pids], keep_final_state=True, on_event=events.append,
+                             remove_node=remove_node)
     report = trainer.fit()
-    assert report.steps_completed == STEPS and not report.failures, report.failures
-    kept = {e["slice"]: "kept_process" in e.get("phases", {}) for e in events if e["event"] == "slice_ready"}
+    assert report.steps_completed == STEPS, report.failures
+    assert len(report.failures) == sum(f.kind == "remove_node" for f in faults), report.failures
+    kept: dict = {}  # per slice, its first start (a replacement's comes later)
+    for e in events:
+        if e["event"] == "slice_ready":
+            kept.setdefault(e["slice"], "kept_process" in e.get("phases", {}))
     return trainer, pids.pids, kept
 
 
@@ -102,6 +107,18 @@ def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh,
     assert _bitwise(first.final_state, third.final_state)
     assert _gone([p for ps in (pids1, pids3) for x in ps.values() for p in x])
     assert release_workers() == 0
+
+
+def test_a_replacement_gets_the_node_a_slice_left_kept_holds(fresh, cluster, lm_factory):
+    """A run of 1 slice after one of 2 (the same 2 batch shards, so its
+    workers are the same): slice 1 stays kept, on the only
+    other node. Slice 0's node removed, its replacement needs that node:
+    the kept slice is released for it, the run finishes."""
+    _run(lm_factory)
+    _, _, kept = _run(lm_factory, num_slices=1, batch_shards=2, timeout_s=60.0, faults=(Fault("remove_node", 0, 3),),
+                      remove_node=cluster.remove_node)
+    assert kept == {0: True}
+    assert release_workers() == 1  # the replacement's own slice, kept at the end
 
 
 def test_kept_multi_host_sharded_slices_end_bitwise_equal(nodes):

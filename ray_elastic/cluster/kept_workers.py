@@ -16,8 +16,9 @@ Only a run that completed keeps its slices, and only those whose workers
 say they are fit to (`SliceWorker.reusable`: no fault injected, no
 preemption notice). Kept slices are released, their groups removed and
 their processes ended, by the first run of this driver that cannot use
-them (a different program, seed, shape or Ray session), by a run that
-needs a new placement group (its resources may be the ones held), by
+them (a different program, seed, shape or Ray session), by a slice
+started with none kept for it (a new slice, a replacement: the node it
+needs may be one they hold), by
 `release_workers()`, and by Ray when the driver exits.
 """
 

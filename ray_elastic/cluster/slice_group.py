@@ -260,12 +260,14 @@ class RaySlices:
 
     def _kept(self, slice_id: int) -> Optional[Provisioning]:
         """The slice's workers kept from this driver's last run, renewed
-        for this one; None where there are none (a new placement group is
-        then made: the slices kept for other ids are released first, as
-        their resources may be the ones it needs)."""
-        if slice_id in self._pgs or not kept_workers.held():
+        for this one; None where there are none (its placement group is
+        then made or reused: every slice still kept is released first, as
+        its resources may be the ones needed)."""
+        if not kept_workers.held():
             return None
-        kept = kept_workers.take(self._keep_key, slice_id)
+        # A slice this run started before (a replacement) takes none: the
+        # kept ones left are of no use to it, and may hold the node it needs.
+        kept = None if slice_id in self._pgs else kept_workers.take(self._keep_key, slice_id)
         if kept is None:
             kept_workers.release_workers()
             return None
