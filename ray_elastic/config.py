@@ -267,8 +267,9 @@ class ElasticConfig:
         seed, shard count and slice shape, which starts on them in a
         fraction of a second with only its step-0 state made anew, and
         computes what new workers would, bitwise. Kept slices hold their
-        resources until a run that cannot use them starts,
-        `ray_elastic.release_workers()` or the driver's exit
+        resources until this driver starts a slice that cannot use them
+        (another program or shape, a replacement), `ray_elastic.release_workers()`
+        or the driver's exit
         (cluster/kept_workers.py). For notebooks, sweeps and test suites;
         RAY_ELASTIC_KEEP_WORKERS=1 in the driver's environment makes True
         the default.
