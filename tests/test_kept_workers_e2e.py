@@ -36,8 +36,8 @@ class _Pids(Callback):
             self.pids = {s: [h["pid"] for h in self.trainer.hosts(s)] for s in self.trainer.members.live}
 
 
-def _run(factory, keep=True, seed=0, faults=(), remove_node=None, **config):
-    pids, events = _Pids(), []
+def _run(factory, keep=True, seed=0, faults=(), remove_node=None, events=None, **config):
+    pids, events = _Pids(), ([] if events is None else events)
     config.setdefault("num_slices", 2)
     trainer = ElasticTrainer(factory, ElasticConfig(policy="pause", keep_workers=keep, seed=seed, **config),
                              STEPS, faults=faults, callbacks=[pids], keep_final_state=True, on_event=events.append,
@@ -145,9 +145,14 @@ def test_kept_multi_host_sharded_slices_end_bitwise_equal(nodes):
 
 def test_another_seed_or_release_workers_ends_the_kept_ones(fresh, lm_factory):
     _, pids1, _ = _run(lm_factory)
-    _, pids2, kept2 = _run(lm_factory, seed=1)  # other workers' programs: the kept ones are released
+    events = []
+    _, pids2, kept2 = _run(lm_factory, seed=1, events=events)  # other workers' programs: the kept ones are released
     assert kept2 == {0: False, 1: False}
     assert _gone([p for ps in pids1.values() for p in ps])
+    # The new workers waited for the released processes on their nodes to
+    # exit (an accelerator's memory is free only then: worker/predecessors.py).
+    waited = {p for e in events if e["event"] == "slice_ready" for p in e.get("predecessors", {}).get("pids", ())}
+    assert waited and waited <= {p for ps in pids1.values() for p in ps}, waited
     assert release_workers() == 2
     assert _gone([p for ps in pids2.values() for p in ps])
     assert not [pg for pg in ray.util.placement_group_table().values() if pg["state"] == "CREATED"]
@@ -160,3 +165,29 @@ def test_keep_workers_is_a_bool_and_defaults_from_the_driver_s_environment(monke
     assert ElasticConfig().keep_workers is True
     with pytest.raises(ConfigError, match="keep_workers"):
         ElasticConfig(keep_workers="yes")
+
+
+def test_an_edited_module_of_the_users_gives_another_key(tmp_path, monkeypatch):
+    """The factory's code reaches a worker by name only when it lives in a
+    module (cloudpickle): the files of the user's loaded modules are part
+    of the key, so an edited one gets new workers, never stale ones. Here
+    the factory is a partial over a library function and the model code
+    sits in a module of its own: both a notebook's shape."""
+    import functools
+    import importlib
+    import sys
+
+    from ray_elastic.cluster.kept_workers import kept_key
+
+    (tmp_path / "my_model_for_kept.py").write_text("WIDTH = 64\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("my_model_for_kept")
+    try:
+        factory = functools.partial(max, 1)  # its module says nothing of the model's
+        before = kept_key(factory, 0)
+        assert kept_key(factory, 0) == before
+        (tmp_path / "my_model_for_kept.py").write_text("WIDTH = 128  # edited\n")
+        assert kept_key(factory, 0) != before
+        assert mod.WIDTH == 64
+    finally:
+        sys.modules.pop("my_model_for_kept", None)

@@ -50,6 +50,7 @@ class KeptSlice:
     placement_group: Any
     tpu_handle: Any  # ray.util.tpu's SlicePlacementGroup, or None
     workers: list  # actor handles, host order
+    infos: list  # pid, started, node_id per host: processes a later slice on those nodes waits to see exit
     session: tuple  # the Ray session it belongs to (session())
 
 
@@ -61,40 +62,46 @@ def kept_key(program_factory: Any, *parts: Any) -> str:
     """A digest of everything a slice's workers were built from (the
     program factory, and with it `parts`: seed, shard count, slice shape,
     environment, compile cache): two runs share workers only where these
-    are equal. A factory defined in the driver (a notebook's cell) is
-    pickled by value, its code with it; one imported from a module is
-    pickled by name, so the files of that module's package loaded here
-    count too, by size and time: an edited module gets new workers,
-    never stale ones."""
+    are equal. cloudpickle writes a function of the driver's own (a
+    notebook's cell) by value but one of a module by name only, so the
+    files (size and time) of the modules that could hold the program's
+    code count too: the factory's package's, and every module loaded from
+    outside the Python installation (the user's own). An edited module
+    gets new workers, never stale ones."""
     from ray import cloudpickle
 
-    return hashlib.sha256(cloudpickle.dumps((program_factory, _package_files(program_factory)) + parts)).hexdigest()
+    return hashlib.sha256(cloudpickle.dumps((program_factory, _code_files(program_factory)) + parts)).hexdigest()
 
 
-def _package_files(program_factory: Any) -> tuple:
+def _code_files(program_factory: Any) -> tuple:
     """(module, size, mtime) of every loaded module of the factory's
-    top-level package (none for a factory of __main__)."""
+    top-level package or from outside the installation (sys.prefix and
+    the like: the standard library and installed packages), ray_elastic's
+    own left out (it loads its modules as a run needs them)."""
     while isinstance(program_factory, functools.partial):
         program_factory = program_factory.func
     top = (getattr(program_factory, "__module__", None) or "__main__").split(".")[0]
-    if top == "__main__":
-        return ()
+    installed = tuple(os.path.realpath(p) + os.sep for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
     out = []
     for name, mod in sorted(sys.modules.items()):
         path = getattr(mod, "__file__", None)
-        if path and (name == top or name.startswith(top + ".")):
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue
-            out.append((name, st.st_size, st.st_mtime_ns))
+        if not path or name == "ray_elastic" or name.startswith("ray_elastic."):
+            continue
+        ours = name == top or name.startswith(top + ".")
+        if not ours and (os.path.realpath(path).startswith(installed) or "site-packages" in path):
+            continue
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        out.append((name, st.st_size, st.st_mtime_ns))
     return tuple(out)
 
 
-def held() -> int:
-    """How many slices are kept."""
+def held() -> list[KeptSlice]:
+    """The slices kept now."""
     with _lock:
-        return len(_kept)
+        return list(_kept)
 
 
 def park(kept: KeptSlice) -> None:

@@ -50,11 +50,14 @@ class RayBackend:
         exchange: tuple = ("reduce_scatter", None, 0), keep_workers: bool = False,
     ):
         cls = provisioner or RaySlices
+        # Only Ray's own slices are kept: a drop-in provisioner (the scale
+        # benchmark's simulated slices) knows nothing of it.
+        self._keeps = keep_workers and provisioner is None
         self._slices: SliceProvisioner = cls(
             spec, program_factory, seed, num_shards, run_name=run_name, compile_cache_dir=compile_cache_dir,
             warm_workers=warm_workers, state_check_every=state_check_every,
             grad_check_every=grad_check_every, final_step=final_step,
-            **({"keep_workers": True} if keep_workers else {}),  # a drop-in provisioner need not know of it
+            **({"keep_workers": True} if self._keeps else {}),
         )
         probe = RayProbe()
         beats = probe.heartbeats(clock, heartbeat_timeout_s) if heartbeat_timeout_s > 0 else None
@@ -278,7 +281,7 @@ class RayBackend:
         """End the run's slices; `keep` (a completed run): those live are
         kept for this driver's next run where the run keeps workers
         (cluster/kept_workers.py)."""
-        kept = [self._up.pop(s) for s in sorted(self._up)] if keep else []
+        kept = [self._up.pop(s) for s in sorted(self._up)] if keep and self._keeps else []
         self.runner.drop_ahead()
         for s in list(self._up) + list(self._coming):
             self.retire(s)

@@ -263,13 +263,19 @@ class RaySlices:
         for this one; None where there are none (its placement group is
         then made or reused: every slice still kept is released first, as
         its resources may be the ones needed)."""
-        if not kept_workers.held():
+        before = kept_workers.held()
+        if not before:
             return None
         # A slice this run started before (a replacement) takes none: the
         # kept ones left are of no use to it, and may hold the node it needs.
         kept = None if slice_id in self._pgs else kept_workers.take(self._keep_key, slice_id)
         if kept is None:
             kept_workers.release_workers()
+        left = kept_workers.held()
+        for gone in before:  # released: new workers on their nodes wait for their processes to exit (an accelerator's memory)
+            if gone is not kept and not any(gone is k for k in left) and gone.session == kept_workers.session():
+                self.kill(gone.workers, gone.infos)
+        if kept is None:
             return None
         self._pgs[slice_id] = kept.placement_group
         if kept.tpu_handle is not None:
@@ -378,7 +384,8 @@ class RaySlices:
             if live.slice_id in self._pgs and _reusable(live.workers):
                 kept_workers.park(kept_workers.KeptSlice(
                     self._keep_key, live.slice_id, self._pgs.pop(live.slice_id),
-                    self._tpu_handles.pop(live.slice_id, None), list(live.workers), kept_workers.session()))
+                    self._tpu_handles.pop(live.slice_id, None), list(live.workers), list(live.infos),
+                    kept_workers.session()))
         for slice_id, pg in self._pgs.items():
             _remove(pg, self._tpu_handles.get(slice_id))
         self._pgs.clear()
