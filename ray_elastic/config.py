@@ -324,9 +324,14 @@ class ElasticConfig:
     slices_per_leader: int = 0
     exchange: str = "reduce_scatter"
     exchange_dtype: Optional[str] = None
+    enable_diloco: bool = False
+    diloco_sync_period: int = 36
+    diloco_outer_lr: float = 0.3
+    diloco_outer_momentum: float = 0.9
 
     def __post_init__(self):
         _positive_int("num_slices", self.num_slices)
+        self._check_diloco()
         if not isinstance(self.slice, (CpuSlice, GpuSlice, TpuSlice)):
             raise ConfigError("slice", f"must be a CpuSlice, GpuSlice or TpuSlice, got {self.slice!r}")
         if self.policy not in POLICIES:
@@ -420,6 +425,28 @@ class ElasticConfig:
             if not _count(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(name, f"must be an integer >= 0 steps (0 turns the checks off), "
                                   f"got {getattr(self, name)!r}")
+
+    def _check_diloco(self) -> None:
+        if not isinstance(self.enable_diloco, bool):
+            raise ConfigError("enable_diloco", f"must be True or False, got {self.enable_diloco!r}")
+        _positive_int("diloco_sync_period", self.diloco_sync_period)
+        if not _number(self.diloco_outer_lr) or self.diloco_outer_lr <= 0:
+            raise ConfigError("diloco_outer_lr", f"must be > 0, got {self.diloco_outer_lr!r}")
+        if not _number(self.diloco_outer_momentum) or not 0 <= self.diloco_outer_momentum < 1:
+            raise ConfigError("diloco_outer_momentum", f"must be in [0, 1), got {self.diloco_outer_momentum!r}")
+        if not self.enable_diloco:
+            return
+        if self.slices_per_leader or self.exchange != "reduce_scatter" or self.exchange_dtype is not None:
+            raise ConfigError("enable_diloco", "DiLoCo synchronizes through the reduce-scatter exchange: set "
+                              "slices_per_leader=0, exchange='reduce_scatter' and exchange_dtype=None")
+        if self.shards % self.num_slices:
+            raise ConfigError("batch_shards", f"DiLoCo gives each of the {self.num_slices} replicas the same "
+                              f"number of shards: batch_shards must be a multiple of num_slices, got {self.shards}")
+        # The replicas differ between synchronizations by design: the
+        # checks that compare them, and the snapshots that stand in for
+        # any replica, do not apply (docs/diloco.md).
+        for name in ("state_check_every", "grad_check_every", "snapshot_every"):
+            object.__setattr__(self, name, 0)
 
     @property
     def shards(self) -> int:

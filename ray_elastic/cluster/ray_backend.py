@@ -20,8 +20,10 @@ from ray_elastic.dispatch.assignment import leader_ranges
 from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
-from ray_elastic.dispatch.calls import Deadline
+from ray_elastic.dispatch.calls import Call, Deadline
+from ray_elastic.dispatch.diloco_runner import DilocoRunner
 from ray_elastic.dispatch.exchange import ExchangeSpec
+from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.dispatch.step_runner import StepResult, StepRunner
 
 __all__ = ["RayBackend", "connect"]
@@ -47,7 +49,7 @@ class RayBackend:
         clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
         state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0,
-        exchange: tuple = ("reduce_scatter", None, 0), keep_workers: bool = False,
+        exchange: tuple = ("reduce_scatter", None, 0), keep_workers: bool = False, diloco: Optional[OuterSpec] = None,
     ):
         cls = provisioner or RaySlices
         # Only Ray's own slices are kept: a drop-in provisioner (the scale
@@ -74,6 +76,8 @@ class RayBackend:
             self.runner = GroupedRunner(self.locator, clock, self.ranges, depth)
         self._coming: dict[int, Provisioning] = {}
         self._up: dict[int, LiveSlice] = {}  # set up: ready to join, or live
+        # DiLoCo's inner steps and synchronizations (dispatch/diloco_runner.py), on the same runner.
+        self.diloco = None if diloco is None else DilocoRunner(self.runner, diloco, max(num_slices, 1), clock)
 
     # -- provisioning -----------------------------------------------------
 
@@ -190,6 +194,47 @@ class RayBackend:
         live = self._live(slices)
         self.locator.started(live, step)
         return self.runner.run(step, live, assignment, takers, deadline_s, on_issued, ahead)
+
+    # -- DiLoCo (control/diloco.py) ----------------------------------------
+
+    def run_inner(self, step: int, slices: Sequence[int], assignment: Mapping[int, tuple],
+                  replicas: Mapping[int, int], deadline_s: float, on_issued: Callable[..., None]) -> StepResult:
+        live = self._live(slices)
+        self.locator.started(live, step)
+        return self.diloco.inner(step, live, assignment, replicas, deadline_s, on_issued)
+
+    def synchronize(self, boundary: int, slices: Sequence[int], replicas: Mapping[int, int],
+                    deadline_s: float) -> Optional[list]:
+        live = self._live(slices)
+        self.locator.started(live, boundary)
+        return self.diloco.synchronize(boundary, live, replicas, deadline_s)
+
+    def adopt(self, slices: Sequence[int], donor: int, boundary: int, deadline_s: float) -> None:
+        """`slices` take `donor`'s global params and outer state (a joiner at a round's start)."""
+        live = self._live([*slices, donor])
+        self.diloco.adopt(list(slices), donor, live, boundary, Deadline.after(self._clock(), deadline_s))
+
+    def round_states(self, slices: Sequence[int]) -> dict:
+        """slice -> a copy of its state now (a tuple, one per host, under a
+        sharded layout), owned by the driver: a replica's round start."""
+        return {s: tuple(w.flat_state.remote() for w in self._up[s].workers) if self._up[s].per_host
+                else self._up[s].workers[0].flat_state.remote() for s in slices}
+
+    def catch_up(self, slice_id: int, donor: int, steps: range, shards: tuple, deadline_s: float) -> None:
+        """A joiner that loaded a replica's round-start state takes the
+        round's global params and outer state from `donor` (unchanged
+        since the round started) and recomputes the replica's inner
+        `steps`, each after the last."""
+        live = self._live([slice_id, donor])
+        wait = Deadline.after(self._clock(), deadline_s)
+        self.diloco.adopt([slice_id], donor, live, steps.start, wait)
+        after: list = []
+        for k in steps:
+            after = [w.inner_step.options(concurrency_group="compute").remote(k, shards, self.diloco.spec, *after)
+                     for w in live[slice_id].workers]
+        if after:
+            self.diloco.runner.gather([Call(slice_id, h, ref, lambda: ref) for h, ref in enumerate(after)],
+                                      steps.stop - 1, wait, {slice_id: live[slice_id]})
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)

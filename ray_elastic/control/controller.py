@@ -23,14 +23,12 @@ import time
 import uuid
 from typing import Callable, Optional, Sequence
 
-from ray_elastic.cluster.backend import SliceBackend
 from ray_elastic.callbacks import Callback
 from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
-from ray_elastic.control.preflight import preflight
-from ray_elastic.control.startup import start_timeout
+from ray_elastic.control.startup import ray_backend, start_timeout
 from ray_elastic.errors import ConfigError, FailureKind, NonFiniteLoss, SliceFailure, SlicePreempted
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
@@ -49,6 +47,7 @@ from ray_elastic.control.integrity import roll_back, spend_retry
 from ray_elastic.worker.gc_pauses import step_pauses
 from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.seams import Seams
+from ray_elastic.control.diloco import Rounds
 
 __all__ = ["Controller", "Seams"]  # Seams: control/seams.py
 
@@ -122,6 +121,7 @@ class Controller:
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
         self._saves: Optional[Saves] = None  # made by fit()
         self._checks, self._found = Checks(config, self._event), None  # the step's Divergence or Straggler
+        self._rounds = Rounds(config, steps, self._event)  # DiLoCo's (control/diloco.py); off unless enable_diloco
 
     # -- the loop ---------------------------------------------------------
 
@@ -142,7 +142,10 @@ class Controller:
             resume_from = self._ckpt.preflight() if self._ckpt else None
             if self._ckpt:
                 self._ckpt.start_writer()
-            backend = self._backend or self._ray_backend()
+            if self._backend is None:  # the program runs in the workers: checked here first (preflight)
+                backend, self._needs = ray_backend(self._factory, self.config, self.steps, self._run_name, self._clock,
+                                                   self._provisioner, self._ckpt.facts if self._ckpt else None)
+            backend = self._backend or backend
             self._injector.use(backend)
             self._snapshots = SnapshotStore(fetch=backend.fetch)
             self.members = Membership(
@@ -160,13 +163,16 @@ class Controller:
                 backend.attach_checkpoints(self._ckpt, min(self.members.live))
                 if resume_from is not None:
                     self._cold_start(resume_from)
-            while self.step < self.steps:
+            while self.step < self.steps or self._rounds.owed(self.step):
                 if self._take_notice():
                     outcome = "preempted"
                     break
                 if not self._step_boundary():
                     continue
                 try:
+                    if self._rounds.owed(self.step):  # a DiLoCo round ends: the replicas synchronize
+                        self._rounds.synchronize(self.step, self.members, self._deadline_s())
+                        continue
                     self._take_step()
                 except SliceFailure as f:
                     self._recover(f)
@@ -224,20 +230,6 @@ class Controller:
     def hosts(self, slice_id: int) -> list[dict]:
         """pid, node_id and ip of each host of a live or ready slice."""
         return self.members.backend.hosts(slice_id)
-
-    def _ray_backend(self) -> SliceBackend:
-        from ray_elastic.cluster.ray_backend import RayBackend
-
-        c = self.config  # the program runs in the workers: checked here first, before any slice is reserved
-        self._needs = preflight(self._factory, c, self.steps)
-        return RayBackend(
-            c.slice, self._factory, c.seed, c.shards, run_name=self._run_name,
-            compile_cache_dir=c.compile_cache_dir, provisioner=self._provisioner, clock=self._clock,
-            warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader, num_slices=c.num_slices,
-            heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
-            grad_check_every=c.grad_check_every, final_step=self.steps,
-            exchange=(c.exchange, c.exchange_dtype, (self._ckpt.facts if self._ckpt else c.run_facts())["exchange_blocks"]),
-            keep_workers=c.keep_workers)
 
     def _event(self, name: str, **fields) -> None:
         event = {"t": round(self._clock() - self._t0, 4), "event": name, **fields}
@@ -298,7 +290,7 @@ class Controller:
         d = decide(Tick(), self._view(), self.config, self._clock())
         if isinstance(d, Fail):
             raise d.error
-        if isinstance(d, Grow):
+        if isinstance(d, Grow) and (self._rounds.may_join(self.step) or not m.live):
             new = sorted(d.slices - m.live)
             if self._join(new) and (new or isinstance(self._state, Waiting)):
                 self._state = Running(fresh=True)
@@ -317,14 +309,18 @@ class Controller:
     def _join(self, new: list[int]) -> bool:
         if not new:
             return True
-        had_live = bool(self.members.live)
-        source = self.members.state_source(self.step)
-        if not had_live:
-            self._restore_from(source)
-        if not self.members.join(new, source):
+        had_live, kind = bool(self.members.live), "replica"
+        if self._rounds.on and had_live:  # a DiLoCo replica joins its round (control/diloco.py)
+            joined = self._rounds.join(new, self.step, self.members, self._deadline_s())
+        else:
+            source = self.members.state_source(self.step)
+            if not had_live:
+                self._restore_from(source)
+            joined, kind = self.members.join(new, source), source.kind
+        if not joined:
             return False
         self._event("grow", joined=new, slices=sorted(self.members.live), spares=sorted(self.members.ready), step=self.step,
-                    source=source.kind)
+                    source=kind)
         return True
 
     def _restore_from(self, source: StateSource) -> None:
@@ -334,6 +330,7 @@ class Controller:
         if source.kind == "initial" and self.step > 0:
             log.warning("no in-memory snapshot survived; restarting from step 0 (%d steps lost)", self.step)
         self._rewind_to(source.step)
+        self._rounds.restart(source.step)
         if source.kind != "initial":
             self._event("restore", source=source.kind, step=source.step)
 
@@ -360,7 +357,8 @@ class Controller:
     def _take_step(self) -> None:
         k, m, t_start, c = self.step, self.members, self._clock(), self.config
         self._t_step, self._step_slices = t_start, len(m.live)
-        assignment = assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None))
+        assignment = (self._rounds.assignment(m.live) if self._rounds.on else
+                      assign_shards(m.live, c.shards, c.batch_on_resize, getattr(m.backend, "ranges", None)))
         takers = self._snapshotting.takers(k + 1, m.live)
 
         def fire_faults(phase: str = "grads") -> None:
@@ -371,7 +369,9 @@ class Controller:
         ahead = None if self._checks.no_ahead(k + 1) else next_assignment(self._view(), c, k, self.steps,
                                                                           self._clock(), assignment)
         self._checks.issue(k, m.live, assignment, m.backend)
-        result = m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead)
+        result = (m.backend.run_inner(k, sorted(m.live), assignment, self._rounds.replica_map(m.live), self._deadline_s(),
+                                      fire_faults) if self._rounds.on else
+                  m.backend.run_step(k, sorted(m.live), assignment, takers, self._deadline_s(), fire_faults, ahead))
         self._complete_step(k, result, t_start)
 
     def _complete_step(self, k: int, result, t_start: float, recovered: bool = True,

@@ -7,12 +7,33 @@ start-up: the deadline is too short for it)."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional
 
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.preflight import preflight
+from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.errors import RunFailed
 
-__all__ = ["start_timeout"]
+__all__ = ["ray_backend", "start_timeout"]
+
+
+def ray_backend(factory: Callable, config: ElasticConfig, steps: int, run_name: str, clock: Callable[[], float],
+                provisioner: Optional[type], facts: Optional[dict]) -> tuple:
+    """(the run's RayBackend, what a host needs): the program checked
+    first (preflight), before any slice is reserved; `facts`: a resumed
+    checkpoint's run facts (the exchange's order), else the config's."""
+    from ray_elastic.cluster.ray_backend import RayBackend
+
+    c = config
+    needs = preflight(factory, c, steps)
+    return RayBackend(
+        c.slice, factory, c.seed, c.shards, run_name=run_name, compile_cache_dir=c.compile_cache_dir,
+        provisioner=provisioner, clock=clock, warm_workers=c.warm_workers, slices_per_leader=c.slices_per_leader,
+        num_slices=c.num_slices, heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
+        grad_check_every=c.grad_check_every, final_step=steps,
+        exchange=(c.exchange, c.exchange_dtype, (facts or c.run_facts())["exchange_blocks"]),
+        keep_workers=c.keep_workers,
+        diloco=OuterSpec(c.diloco_outer_lr, c.diloco_outer_momentum) if c.enable_diloco else None), needs
 
 
 def start_timeout(config: ElasticConfig, ready: Iterable[int], placed: Callable[[int], bool],

@@ -36,6 +36,7 @@ from ray_elastic.checkpoint.state_forms import FlatState, HostBlocks, WholeState
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.program import TrainProgram
 from ray_elastic.worker.checkpoints import HostCheckpointing
+from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.gc_pauses import GcPauses
 from ray_elastic.worker.host_cache import HostCompileCache
@@ -294,6 +295,49 @@ class SliceWorker:
             self._gc.freeze()
         metrics["gc_pause_s"], metrics["gc_full"] = self._gc.take()
         return metrics
+
+    # -- DiLoCo (control/diloco.py, worker/diloco.py) ------------------------
+
+    def inner_step(self, step: int, shards: tuple[int, ...], spec: OuterSpec, *after: Any) -> dict:
+        """A DiLoCo inner step on this replica's own `shards`, applied to
+        its own state (no exchange). `after`: ignored (refs Ray waits for:
+        a replacement's catch-up chains its steps). Idempotent for a step
+        already taken."""
+        with self._held.lock:
+            metrics = self._steps.local_step(step, shards, spec)
+        if not self._first_apply_done:
+            self._first_apply_done = True
+            self._gc.freeze()
+        metrics["gc_pause_s"], metrics["gc_full"] = self._gc.take()
+        return metrics
+
+    def diloco_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec) -> tuple:
+        """(status, chunk 0, ..., chunk n-1): this replica's delta from the
+        round's global params, cut for the exchange's owners."""
+        return self._steps.outer_delta(boundary, replica, plan, spec)
+
+    def diloco_outer(self, boundary: int, spec: OuterSpec, parts: list, epoch: int = 0) -> dict:
+        """The outer step at `boundary` over the owners' sums in `parts`
+        (refs, fetched here); idempotent for a boundary already synchronized."""
+        parts = self._inputs(parts, epoch, boundary)
+        with self._held.lock:
+            return self._steps.outer_apply(boundary, parts, spec)
+
+    def diloco_synced(self) -> int:
+        """The last round boundary this replica synchronized at (0: none yet)."""
+        return self._steps.outer.synced
+
+    def diloco_global(self) -> dict:
+        """This host's global params and outer state on the host, for a joining replica."""
+        with self._held.lock:
+            return self._steps.outer.host_copy()
+
+    def diloco_adopt(self, copy: dict, spec: OuterSpec) -> int:
+        """Hold another replica's global params and outer state
+        (`diloco_global`'s) and continue from its global params, keeping
+        this replica's inner optimizer state. Returns their boundary."""
+        with self._held.lock:
+            return self._steps.adopt_outer(copy, spec)
 
     def snapshot(self, step: int, *after: Any) -> tuple[dict, FlatState | HostBlocks]:
         """(status, state): the snapshot of the state after step `step`

@@ -23,6 +23,8 @@ import numpy as np
 
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.worker.batches import BatchReader
+from ray_elastic.dispatch.outer_spec import OuterSpec
+from ray_elastic.worker.diloco import OuterState
 from ray_elastic.worker.chunks import SCALARS, assemble, cut, pieces, sum_chunk, wire
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, host_fingerprint
@@ -77,6 +79,7 @@ class SliceSteps:
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
         self._template = None  # the gradient's treedef and leaves (shape, dtype), as a host sends it
+        self.outer = OuterState(layout)  # DiLoCo's global params and outer optimizer state (diloco.py)
 
     def close(self) -> None:
         """The run ended: drop the batches read ahead (the process may serve another)."""
@@ -341,6 +344,109 @@ class SliceSteps:
             metrics["preempt_notice_at"] = self._notice.at
         held.last_apply = metrics
         return metrics
+
+    # -- DiLoCo (control/diloco.py): inner steps alone, outer steps together --
+
+    def local_step(self, step: int, shards: tuple[int, ...], spec: OuterSpec) -> dict:
+        """A DiLoCo inner step: the mean gradient of this replica's own
+        `shards` (summed in shard order on the devices) applied to its own
+        state; nothing crosses slices. Returns the step's metrics (those of
+        the last inner step when `step` is already taken). The caller holds
+        the state's lock."""
+        import jax
+
+        held, layout, program = self._held, self._layout, self._layout.program
+        if held.step == step + 1 and held.last_apply is not None:
+            return held.last_apply
+        if step != held.step:
+            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for inner step {step}")
+        held.ensure()
+        if not self.outer.started:  # the run's first round starts from the step-0 state
+            self.outer.start(held.params, spec, step)
+        t0 = time.perf_counter()
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        at_step = device_array(np.int32(step), layout.replicated)
+        acc, totals, weights, auxes = None, [], [], []
+        for shard in shards:
+            total, weight, aux, _, g = self._compiled.grad(
+                held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)), at_step,
+                device_array(np.int32(shard), layout.replicated))
+            if shard == shards[-1]:
+                self._batches.read_ahead(step + 1, shards)
+            acc = g if acc is None else jax.tree.map(jax.numpy.add, acc, g)
+            totals.append(total), weights.append(weight), auxes.append(aux)
+        values = step_values({"loss": {s: float(_host_value(t)) for s, t in zip(shards, totals)},
+                              "weight": {s: float(_host_value(w)) for s, w in zip(shards, weights)},
+                              "aux": {s: {k: float(_host_value(v)) for k, v in a.items()} for s, a in zip(shards, auxes)}},
+                             program.aux)
+        if not math.isfinite(values.loss) and program.post_update is None:
+            raise NonFiniteLoss(step, values.loss)
+        weight = device_array(np.float32(values.weight), layout.replicated)
+        mean = jax.tree.map(lambda a: a / weight, acc)
+        scalars = {k: device_array(np.float32(v), layout.replicated) for k, v in {"loss": values.loss, **values.aux}.items()}
+        held.advance(*self._compiled.update(held.params, held.opt_state, mean, None, scalars))
+        t1 = time.perf_counter()
+        self._exchange.spans.add("compute", t0, t1)
+        metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux,
+                   "grads_s": t1 - t0, "grads_shards": len(shards)}
+        if self._notice.at is not None:
+            metrics["preempt_notice_at"] = self._notice.at
+        held.last_apply = metrics
+        return metrics
+
+    def outer_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec) -> tuple:
+        """(status, chunk payloads) of this replica's delta at round
+        boundary `boundary`, keyed as shard `replica` with weight 1, so the
+        exchange sums the replicas' deltas in replica order and the outer
+        apply divides by their count."""
+        import jax
+
+        held, layout = self._held, self._layout
+        if held.step != boundary:
+            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
+        speaks = layout.sharded or self._host == 0
+        d = self.outer.delta(held.params, spec)
+        out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}}
+        if speaks:
+            out["grads"][replica] = local_blocks(jax.tree.leaves(d)) if layout.sharded else jax.tree.map(_host_value, d)
+            out["loss"][replica], out["weight"][replica], out["aux"][replica] = 0.0, 1.0, {}
+        return self._chunks(plan, out, speaks)
+
+    def outer_apply(self, boundary: int, parts: tuple, spec: OuterSpec) -> dict:
+        """The outer step at `boundary` from the owners' sums of the
+        replicas' deltas in `parts`; the held params become the new global
+        params, the inner optimizer state stays. Idempotent for a boundary
+        already synchronized. The caller holds the state's lock."""
+        import jax
+
+        held, layout = self._held, self._layout
+        if self.outer.synced == boundary:
+            return {"synced": boundary, "replicas": None}
+        if held.step != boundary:
+            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
+        t0 = time.perf_counter()
+        total = self._gathered(tuple(p for p in parts if p and "chunk" in p))
+        count = math.fsum(total["weight"].values())
+        mean = jax.tree.map(lambda a: divided(a, count), total["sum"])
+        if layout.sharded:
+            mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
+        else:
+            mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
+        held.params = self.outer.apply(mean, spec, boundary)
+        held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
+        self._exchange.gathered(parts, time.perf_counter() - t0)
+        return {"synced": boundary, "replicas": sorted(total["weight"])}
+
+    def adopt_outer(self, copy: dict, spec: OuterSpec) -> int:
+        """Hold another replica's global params and outer state and
+        continue from the global params (a joiner's, or a slice whose
+        synchronization was cut short). The caller holds the state's lock."""
+        self._held.ensure()
+        self.outer.load(copy, spec)
+        self._held.params = self.outer.global_copy(spec)
+        self._held.generation += 1
+        return self.outer.synced
 
     def _corrupting(self, target: str) -> bool:
         """Whether a `corrupt` fault of `target` flips a bit now (once,

@@ -1,0 +1,128 @@
+"""The data plane of DiLoCo (control/diloco.py): inner steps that each
+replica takes alone, and the synchronization at a round's end.
+
+An inner step is one call per host; nothing crosses slices. A
+synchronization is the exchange of a step (exchange.py) over the
+replicas' deltas instead of gradients: each replica's delta is one block
+keyed by its replica id with weight 1, so the owners sum the deltas in
+replica order and every host's outer apply divides by the count of
+replicas that took part. Failures surface as the StepRunner's
+`SliceFailure`s (its `gather`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import ray
+
+from ray_elastic.dispatch.calls import Call, Deadline, StepResult
+from ray_elastic.dispatch.exchange import MAX_CHUNKS, issue_exchange, sources_of
+from ray_elastic.dispatch.exchange_plan import ExchangePlan
+from ray_elastic.dispatch.step_runner import StepRunner, per_host, senders
+from ray_elastic.dispatch.tree import refs_of
+from ray_elastic.errors import SliceFailure
+from ray_elastic.dispatch.outer_spec import OuterSpec
+
+__all__ = ["DilocoRunner", "replica_mean"]
+
+
+def replica_mean(metrics: Mapping, replicas: Mapping[int, int]) -> dict:
+    """Every host's metrics with the step's loss and aux metrics averaged
+    over the replicas (host 0 of each, in replica order), as MaxText
+    reports a DiLoCo step; each replica's own loss stays as replica_loss."""
+    firsts = sorted(((replicas[s], m) for (s, h), m in metrics.items() if h == 0), key=lambda x: x[0])
+    loss = sum(m["loss"] for _, m in firsts) / len(firsts)
+    names = set().union(*(m.get("aux", {}) for _, m in firsts))
+    aux = {k: sum(m["aux"][k] for _, m in firsts) / len(firsts) for k in sorted(names)}
+    return {key: {**m, "loss": loss, "aux": aux, "replica_loss": m["loss"]} for key, m in metrics.items()}
+
+
+class DilocoRunner:
+    """Inner steps and synchronizations on the live slices, through
+    `runner` (its gather, epoch and reduce calls)."""
+
+    def __init__(self, runner: StepRunner, spec: OuterSpec, blocks: int, clock: Callable[[], float]):
+        self.runner = runner
+        self.spec = spec
+        self.blocks = blocks  # the configured replica count: replica r is block r
+        self._clock = clock
+        self.bytes_synced = 0  # delta bytes every synchronization moved, summed (exchange counters have them per host)
+
+    def inner(self, k: int, live: Mapping, assignment: Mapping[int, tuple], replicas: Mapping[int, int],
+              deadline_s: float, on_issued: Callable[..., None]) -> StepResult:
+        """Inner step k on every live slice, each on its replica's shards.
+        A slice lost in it raises its SliceFailure once the survivors'
+        steps are done: theirs need nothing of it, so they hold k + 1."""
+        wait = Deadline.after(self._clock(), deadline_s)
+        calls = []
+        for s in sorted(live):
+            for h, w in enumerate(live[s].workers):
+                def call(w=w, s=s):
+                    return w.inner_step.options(concurrency_group="compute").remote(k, tuple(assignment[s]), self.spec)
+                calls.append(Call(s, h, call(), call))
+        on_issued()
+        try:
+            out = self.runner.gather(calls, k, wait, live)
+        except SliceFailure as f:
+            rest = [c.ref for c in calls if c.slice_id != f.slice_id]
+            ray.wait(rest, num_returns=len(rest), timeout=max(0.0, wait.at - self._clock()))
+            raise
+        return StepResult(replica_mean(out, replicas), {})
+
+    def synchronize(self, boundary: int, live: Mapping, replicas: Mapping[int, int], deadline_s: float) -> list:
+        """The outer step at `boundary` over the live replicas' deltas.
+        Where some slices synchronized it already (a failure cut the last
+        try short after their applies had every input), the others take
+        their global params instead of exchanging again. Returns the
+        replicas whose deltas the outer step averaged (None: taken from a
+        slice that had synchronized)."""
+        wait = Deadline.after(self._clock(), deadline_s)
+        order = sorted(live)
+        asks = [Call(s, 0, live[s].workers[0].diloco_synced.remote(), live[s].workers[0].diloco_synced.remote)
+                for s in order]
+        synced = self._gather(asks, boundary, wait, live)
+        done = [s for s in order if synced[(s, 0)] == boundary]
+        if done:
+            behind = [s for s in order if s not in done]
+            self.adopt(behind, done[0], live, boundary, wait)
+            return None
+        plan = ExchangePlan(chunks=1 if len(order) <= 2 else min(len(order), MAX_CHUNKS), blocks=self.blocks,
+                            shards=tuple(sorted(replicas[s] for s in order)), fan_in=self.runner.fan_in)
+        payloads: dict = {}
+        calls = []
+        for s in order:
+            for h, w in enumerate(live[s].workers):
+                def call(w=w, s=s, h=h):
+                    status, *chunks = w.diloco_delta.options(num_returns=1 + plan.chunks, concurrency_group="compute").remote(
+                        boundary, replicas[s], plan, self.spec)
+                    payloads.setdefault(s, {})[h] = tuple(chunks)
+                    return status
+                calls.append(Call(s, h, call(), call, lambda s=s, h=h: payloads[s][h]))
+        groups = senders(live[order[0]])
+        reduces, tops = issue_exchange(self.runner, boundary, live, sources_of(payloads), plan, groups)
+        applies = []
+        for s in order:
+            own = per_host(live[s])
+            for h, w in enumerate(live[s].workers):
+                def apply(w=w, h=h, own=own):
+                    return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])), self.runner.epoch)
+                applies.append(Call(s, h, apply(), apply))
+        self._gather(calls + reduces, boundary, wait, live)
+        replies = self._gather(applies, boundary, wait, live)
+        return replies[(order[0], 0)]["replicas"]
+
+    def adopt(self, slices: Sequence[int], donor: int, live: Mapping, boundary: int, wait: Deadline) -> None:
+        """`slices` take `donor`'s global params and outer state (host i
+        from host i) and continue from them; each keeps its inner
+        optimizer state."""
+        calls = []
+        for s in slices:
+            for h, w in enumerate(live[s].workers):
+                def call(w=w, h=h):
+                    return w.diloco_adopt.remote(live[donor].workers[h].diloco_global.remote(), self.spec)
+                calls.append(Call(s, h, call(), call))
+        self._gather(calls, boundary, wait, live)
+
+    def _gather(self, calls: list, k: int, wait: Deadline, live: Mapping) -> dict:
+        return self.runner.gather(calls, k, wait, live)

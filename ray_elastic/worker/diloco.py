@@ -1,0 +1,116 @@
+"""A DiLoCo replica's outer state on one host: the global params of the
+round's start and the outer optimizer's state (SGD with Nesterov
+momentum, as MaxText's DiLoCo and the paper use), beside the inner state
+the worker holds (state.py) and trains alone between synchronizations.
+
+At a synchronization each replica sends `global - params` (its delta);
+the mean of the replicas' deltas is the pseudo-gradient the outer
+optimizer applies to the global params, and every replica continues from
+the new global params with its own inner optimizer state.
+
+The arrays lie like the params (replicated, or this host's blocks under a
+sharded layout); `host_copy` / `load` move them between processes as the
+params' gradients move: whole host arrays, or this host's blocks.
+
+JAX is imported on use: the driver imports this module through the
+worker's actor class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import numpy as np
+
+from ray_elastic.dispatch.outer_spec import OuterSpec
+
+__all__ = ["OuterState"]
+
+
+class OuterState:
+    """The global params and outer optimizer state of one host, and the
+    last round boundary they were synchronized at (`synced`)."""
+
+    def __init__(self, layout: Any):
+        self._layout = layout
+        self.global_params: Any = None
+        self.state: Any = None
+        self.synced = 0
+        self._spec: Optional[OuterSpec] = None
+        self._fns: Any = None  # (delta, outer update, copy), jitted once the spec is known
+
+    @property
+    def started(self) -> bool:
+        return self.global_params is not None
+
+    def _jitted(self, spec: OuterSpec) -> Any:
+        import jax
+        import optax
+
+        if self._fns is None or self._spec != spec:
+            opt = spec.optimizer()
+
+            def outer(global_params, state, mean_delta):
+                updates, state = opt.update(mean_delta, state, global_params)
+                return optax.apply_updates(global_params, updates), state
+
+            self._spec = spec
+            self._fns = (jax.jit(lambda g, p: jax.tree.map(lambda a, b: a - b, g, p)), jax.jit(outer),
+                         jax.jit(lambda t: jax.tree.map(lambda a: a + 0, t)), jax.jit(opt.init))
+        return self._fns
+
+    def start(self, params: Any, spec: OuterSpec, step: int) -> None:
+        """The round that starts at `step` (0: the run's first) from `params`."""
+        _, _, copy, init = self._jitted(spec)
+        self.global_params = copy(params)  # the inner update donates the params it reads
+        self.state = init(self.global_params)
+        self.synced = step
+
+    def delta(self, params: Any, spec: OuterSpec) -> Any:
+        """global - params: this replica's share of the pseudo-gradient."""
+        return self._jitted(spec)[0](self.global_params, params)
+
+    def apply(self, mean_delta: Any, spec: OuterSpec, boundary: int) -> Any:
+        """The outer step with the replicas' mean delta; returns the params
+        every replica continues from (a copy of the new global params)."""
+        _, outer, copy, _ = self._jitted(spec)
+        self.global_params, self.state = outer(self.global_params, self.state, mean_delta)
+        self.synced = boundary
+        return copy(self.global_params)
+
+    def global_copy(self, spec: OuterSpec) -> Any:
+        return self._jitted(spec)[2](self.global_params)
+
+    def host_copy(self) -> dict:
+        """{"synced", "leaves"}: the global params' and outer state's leaves
+        on the host, whole (replicated) or this host's blocks (sharded)."""
+        import jax
+
+        from ray_elastic.worker.shards import local_blocks
+
+        leaves = jax.tree.leaves((self.global_params, self.state))
+        if self._layout.sharded:
+            return {"synced": self.synced, "blocks": local_blocks(leaves)}
+        return {"synced": self.synced, "leaves": [np.asarray(a.addressable_data(0)) for a in leaves]}
+
+    def load(self, copy: dict, spec: OuterSpec) -> None:
+        """Hold another replica's (same host index) global params and outer state."""
+        import jax
+
+        from ray_elastic.worker.shards import from_local_blocks
+        from ray_elastic.worker.transfer import device_array
+
+        layout = self._layout
+        params_def = jax.tree.structure(layout.params_spec())
+        state_def = jax.tree.structure(jax.eval_shape(spec.optimizer().init, layout.params_spec()))
+        n = params_def.num_leaves
+        if layout.sharded:
+            # Every leaf of the outer state mirrors a param's leaf: the params' specs twice.
+            specs = list(layout.param_specs) * (1 + state_def.num_leaves // max(n, 1))
+            leaves = from_local_blocks(copy["blocks"], specs[:n + state_def.num_leaves])
+        else:
+            leaves = [device_array(a, layout.replicated) for a in copy["leaves"]]
+        self._jitted(spec)
+        self.global_params = jax.tree.unflatten(params_def, leaves[:n])
+        self.state = jax.tree.unflatten(state_def, leaves[n:])
+        self.synced = copy["synced"]
