@@ -53,7 +53,7 @@ class Rounds:
         return tuple(s for s in range(self._shards) if s % self._replicas_n == replica)
 
     def assignment(self, live) -> dict:
-        return {s: self.shards_of(self.replicas[s]) for s in sorted(live)}
+        return {s: self.shards_of(r) for s, r in self.replica_map(live).items()}
 
     def boundary(self, step: int) -> bool:
         """Whether a round ends at `step` (steps done)."""
@@ -113,4 +113,10 @@ class Rounds:
         return True
 
     def replica_map(self, live) -> Mapping[int, int]:
+        """slice -> replica of the live slices; a slice that went live
+        without joining (a ready spare taken at the start in place of a
+        training slice that was not up) takes the lowest free replica."""
+        for s in sorted(set(live) - set(self.replicas)):
+            taken = {self.replicas[t] for t in live if t in self.replicas}
+            self.replicas[s] = min(r for r in range(self._replicas_n) if r not in taken)
         return {s: self.replicas[s] for s in sorted(live)}

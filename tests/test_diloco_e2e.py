@@ -1,0 +1,129 @@
+"""DiLoCo on a real local cluster: runs that equal a plain single-process
+JAX loop of the same replicas (tests/diloco_reference.py), and a replica
+killed mid-round under resize (the survivors' round ends without it; a
+replacement joins at a round's start) and under pause with a hot spare
+(the spare recomputes the lost replica's round: bitwise the failure-free
+run).
+
+Tolerances against the reference loop: the losses within 1e-5 relative,
+the params within 2e-4 absolute (magnitudes up to about 1). Both sides
+compute the same float32 math, but as different XLA programs (the
+worker's step is compiled over the slice's mesh, its shard gradients
+summed on the devices; the loop's in one jit), so sums differ in their
+last bits; Adam divides by the root of small second moments and the
+outer Nesterov step (lr 0.3, momentum 0.9) carries each difference on,
+so 12 steps bring them to about 1e-5 (24 to 1.5e-4). A run with
+failures must equal the failure-free run bitwise: same program, same
+order of every sum.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from tests.diloco_reference import diloco_reference
+
+pytestmark = pytest.mark.cluster
+
+H = 4
+STEPS = 12
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-4
+
+
+def _config(**kw) -> ElasticConfig:
+    # A `slow` fault stands for a slower survivor below: the straggler
+    # detector would rightly evict it.
+    return ElasticConfig(enable_diloco=True, diloco_sync_period=H, straggler_factor=0, **kw)
+
+
+def _fit(factory, config, steps=STEPS, **kw):
+    events: list = []
+    trainer = ElasticTrainer(factory, config, steps, keep_final_state=True, on_event=events.append, **kw)
+    report = trainer.fit()
+    assert report.steps_completed == steps
+    return trainer, report, events
+
+
+def _close(trainer, report, reference) -> None:
+    params, losses = reference
+    np.testing.assert_allclose(report.losses, losses, rtol=LOSS_RTOL)
+    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
+
+
+def _equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.final_params()), jax.tree.leaves(b.final_params())))
+
+
+@pytest.fixture(scope="module")
+def free(cluster, lm_factory):
+    """The failure-free DiLoCo run of 2 replicas (one one-host slice each)."""
+    cluster.ensure_nodes(2)
+    return _fit(lm_factory, _config(num_slices=2))
+
+
+def test_two_replicas_equal_the_reference_loop(free, lm_factory):
+    trainer, report, events = free
+    syncs = [e for e in events if e["event"] == "diloco_sync"]
+    assert [e["step"] for e in syncs] == [4, 8, 12] and all(e["replicas"] == [0, 1] for e in syncs)
+    _close(trainer, report, diloco_reference(lm_factory(), seed=0, shards=2, replicas=2, steps=STEPS, period=H))
+
+
+def test_three_replicas_of_two_shards_each(nodes, lm_factory):
+    """3 replicas, 6 shards: each replica sums its own two shards; the
+    exchange has an owner per chunk (3 slices), and a last round of 2
+    steps (14 is no multiple of 4) still ends with a synchronization."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=3, batch_shards=6), steps=14)
+    assert [e["step"] for e in events if e["event"] == "diloco_sync"] == [4, 8, 12, 14]
+    _close(trainer, report, diloco_reference(lm_factory(), seed=0, shards=6, replicas=3, steps=14, period=H))
+
+
+def test_fsdp_slices_of_two_hosts(nodes):
+    """A sharded layout: every host sends its own blocks of the delta and
+    applies its own blocks of the outer step."""
+    import examples.lm as lm
+
+    nodes(4)
+    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
+    trainer, report, _ = _fit(factory, _config(num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=1)), steps=8)
+    _close(trainer, report, diloco_reference(factory(), seed=0, shards=2, replicas=2, steps=8, period=H))
+
+
+def test_resize_kill_mid_round(nodes, lm_factory):
+    """Replica 1 is killed in inner step 5: replica 0 ends rounds alone
+    (its delta divided by 1) until the replacement joins at a round's
+    start with replica 0's inner optimizer state; the run equals the
+    reference loop given that membership."""
+    nodes(2)
+    faults = [Fault("kill", 1, 5), Fault("slow", 0, 0, ms=150)]  # slow steps: the replacement is up mid-run
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, policy="resize"), steps=20, faults=faults)
+    join = next(e["step"] for e in events if e["event"] == "grow")
+    assert join % H == 0 and 8 <= join < 20, join
+    syncs = {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}
+    assert syncs[4] == [0, 1] and syncs[8] == [0] and syncs[20] == [0, 1], syncs
+    reference = diloco_reference(lm_factory(), seed=0, shards=2, replicas=2, steps=20, period=H,
+                                 active=lambda k, r: r == 0 or k < 5 or k >= join,
+                                 joins_from=lambda b, r: 0 if (b, r) == (join, 1) else None)
+    _close(trainer, report, reference)
+
+
+def test_pause_with_a_spare_recomputes_the_round(nodes, free, lm_factory):
+    """Replica 1 is killed in inner step 5; the spare loads its state of
+    the round's start (step 4), recomputes steps 4 and 5, and the run ends
+    bitwise equal to the failure-free one, no survivor step redone."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, spare_slices=1), faults=[Fault("kill", 1, 5)])
+    caught = [e for e in events if e["event"] == "diloco_caught_up"]
+    assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
+    recovered = [e for e in events if e["event"] == "recovered"]
+    assert recovered and recovered[0]["steps_rewound"] == 0
+    assert _equal(trainer, free[0])
+    # Step 5's loss is reported when the survivors finish it: replica 0's alone.
+    assert report.losses[:5] + report.losses[6:] == free[1].losses[:5] + free[1].losses[6:]
