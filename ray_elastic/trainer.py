@@ -10,6 +10,7 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.checkpoint.state_forms import whole_state
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.controller import Controller
+from ray_elastic.errors import ConfigError
 from ray_elastic.failures.faults import Fault
 from ray_elastic.program import TrainProgram
 
@@ -59,6 +60,12 @@ class ElasticTrainer(Controller):
         remove_node: Optional[Callable[[str], None]] = None,
         freeze_node: Optional[Callable[[str], None]] = None,
     ):
+        if config.enable_diloco and checkpoint is not None:
+            raise ConfigError("checkpoint", "durable checkpoints of DiLoCo runs (each replica's inner optimizer "
+                              "state and the outer state) are not written yet; leave checkpoint=None (DiLoCo "
+                              "recovers from failures in memory) or set enable_diloco=False")
+        if config.enable_diloco and any(f.phase != "grads" for f in faults):
+            raise ConfigError("faults", "DiLoCo's inner steps have one phase: inject faults with phase='grads'")
         if on_step is not None or on_event is not None:
             callbacks = [*callbacks, FunctionCallback(on_step, on_event)]
         super().__init__(

@@ -1,0 +1,78 @@
+"""DiLoCo's pure parts: its flags' validation, the rounds' bookkeeping
+(control/diloco.py) and the metrics averaged over replicas. The runs
+themselves are in test_diloco_e2e.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic.control.diloco import Rounds
+from ray_elastic.dispatch.diloco_runner import replica_mean
+from ray_elastic.errors import ConfigError
+
+
+def test_maxtext_defaults_and_the_checks_that_do_not_apply():
+    c = ElasticConfig(enable_diloco=True)
+    assert (c.diloco_sync_period, c.diloco_outer_lr, c.diloco_outer_momentum) == (36, 0.3, 0.9)
+    # The replicas differ between synchronizations by design.
+    assert (c.state_check_every, c.grad_check_every, c.snapshot_every) == (0, 0, 0)
+    plain = ElasticConfig()
+    assert not plain.enable_diloco and plain.state_check_every == 10 and plain.snapshot_every == 1
+
+
+@pytest.mark.parametrize("kw, setting", [
+    ({"diloco_sync_period": 0}, "diloco_sync_period"),
+    ({"diloco_outer_lr": 0.0}, "diloco_outer_lr"),
+    ({"diloco_outer_momentum": 1.0}, "diloco_outer_momentum"),
+    ({"enable_diloco": 1}, "enable_diloco"),
+    ({"enable_diloco": True, "num_slices": 2, "batch_shards": 3}, "batch_shards"),
+    ({"enable_diloco": True, "exchange": "direct"}, "enable_diloco"),
+    ({"enable_diloco": True, "num_slices": 4, "slices_per_leader": 2}, "enable_diloco"),
+])
+def test_bad_flags_name_the_setting(kw, setting):
+    with pytest.raises(ConfigError) as e:
+        ElasticConfig(**kw)
+    assert e.value.setting == setting
+
+
+def test_unsupported_combinations_fail_before_any_slice(tmp_path):
+    config = ElasticConfig(enable_diloco=True)
+    with pytest.raises(ConfigError) as e:
+        ElasticTrainer(lambda: None, config, 4, checkpoint=CheckpointConfig(str(tmp_path)))
+    assert e.value.setting == "checkpoint"
+    with pytest.raises(ConfigError) as e:
+        ElasticTrainer(lambda: None, config, 4, faults=[Fault("kill", 1, 2, phase="apply")])
+    assert e.value.setting == "faults"
+
+
+def test_rounds_end_every_period_and_at_the_run_end():
+    r = Rounds(ElasticConfig(num_slices=3, batch_shards=6, enable_diloco=True, diloco_sync_period=4), steps=10)
+    assert [k for k in range(11) if r.boundary(k)] == [4, 8, 10]
+    assert [r.shards_of(i) for i in range(3)] == [(0, 3), (1, 4), (2, 5)]
+    assert r.assignment({0, 2}) == {0: (0, 3), 2: (2, 5)}
+    assert r.owed(4) and not r.owed(5)
+    r.round_start = 4  # synchronized at 4
+    assert not r.owed(4) and r.owed(8)
+
+
+def test_joins_wait_for_a_round_start_under_resize_only():
+    resize = Rounds(ElasticConfig(enable_diloco=True, policy="resize", diloco_sync_period=4), steps=12)
+    pause = Rounds(ElasticConfig(enable_diloco=True, diloco_sync_period=4), steps=12)
+    off = Rounds(ElasticConfig(policy="resize"), steps=12)
+    resize.round_start = pause.round_start = 4
+    assert [resize.may_join(k) for k in (4, 5, 7)] == [True, False, False]
+    assert all(pause.may_join(k) for k in (4, 5, 7)) and off.may_join(5) and not off.owed(4)
+
+
+def test_a_slice_live_without_a_replica_takes_the_lowest_free_one():
+    r = Rounds(ElasticConfig(num_slices=3, enable_diloco=True), steps=8)
+    assert r.replica_map({0, 3, 2}) == {0: 0, 2: 2, 3: 1}
+
+
+def test_metrics_are_averaged_over_replicas_in_replica_order():
+    metrics = {(5, 0): {"loss": 3.0, "aux": {"acc": 0.5}}, (5, 1): {"loss": 3.0, "aux": {"acc": 0.5}},
+               (0, 0): {"loss": 1.0, "aux": {"acc": 0.25}}}
+    out = replica_mean(metrics, {0: 0, 5: 1})
+    assert out[(0, 0)]["loss"] == out[(5, 1)]["loss"] == 2.0
+    assert out[(5, 0)]["aux"] == {"acc": 0.375} and out[(0, 0)]["replica_loss"] == 1.0
