@@ -61,6 +61,9 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   bytes per host per step against the ring bound, the exchange's seconds,
   step time, peak memory (`--steps`, default 12; `--runs` rounds,
   default 1); `--big`: the 2 GB state on 2 slices (`--runs`, default 2);
+- diloco: synchronous training against DiLoCo (sync period 10 and 36), on
+  a plain local cluster and behind a simulated 1 Gbit/s link per host:
+  steps per second, bytes across slices per step, loss curves (a PNG)
 - kept: a driver's next run on new workers against one on the slices its
   last run kept (keep_workers): slices ready, whole fit, bitwise equal
   (`--runs` rounds, default 5; `--steps`, default 12).
@@ -84,7 +87,7 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity",
-                                                                     "falsealarms", "accel", "sizes", "exchange", "kept"))
+                                                                     "falsealarms", "accel", "sizes", "exchange", "kept", "diloco"))
     parser.add_argument("--cpu", action="store_true", help="accel: CPU slices on a local cluster, a small model")
     parser.add_argument("--big", action="store_true", help="exchange: the 2 GB state on 2 slices only")
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
@@ -175,6 +178,16 @@ def main(argv=None) -> int:
         print(text)
         write_result(args.out, "sizes", result, text)
         return 0
+
+    if args.suite == "diloco":
+        from bench import diloco
+
+        result = diloco.run(runs=args.runs or (1 if args.quick else 3), steps=args.steps or (60 if args.quick else 300),
+                            out=args.out)
+        text = diloco.table(result)
+        print(text)
+        write_result(args.out, "diloco", result, text)
+        return 0 if all(not c["failures"] and c["same_losses"] for r in result["rows"].values() for c in r.values()) else 1
 
     if args.suite == "kept":
         from bench import kept

@@ -187,3 +187,20 @@ def bar_chart(table_rows: list[dict], path: str, key: str = "recovered_s",
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def curves_png(curves: dict, path: str, title: str, ylabel: str = "loss") -> str:
+    """One PNG of one line per name in `curves` ({name: values by step, from step 1})."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, values in curves.items():
+        ax.plot(range(1, len(values) + 1), values, linewidth=1.0, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

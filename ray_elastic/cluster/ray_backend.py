@@ -204,7 +204,7 @@ class RayBackend:
         return self.diloco.inner(step, live, assignment, replicas, deadline_s, on_issued)
 
     def synchronize(self, boundary: int, slices: Sequence[int], replicas: Mapping[int, int],
-                    deadline_s: float) -> Optional[list]:
+                    deadline_s: float) -> tuple:
         live = self._live(slices)
         self.locator.started(live, boundary)
         return self.diloco.synchronize(boundary, live, replicas, deadline_s)

@@ -26,6 +26,7 @@ from ray_elastic.program import TrainProgram
 from ray_elastic.failures import process_state
 from ray_elastic.worker.predecessors import Predecessor
 from ray_elastic.worker.readiness import phase_seconds
+from ray_elastic.worker.exchange_stats import LINK_ENV
 from ray_elastic.worker.warm_pool import hook_env
 from ray_elastic.worker.actor import SliceWorker
 
@@ -76,7 +77,9 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "MALLOC_ARENA_MAX": "2"}
 
 
 def worker_env(spec: SliceSpec) -> dict[str, str]:
-    return {**{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}, **spec.worker_env()}
+    # A simulated cross-slice link (benchmarks) set in the driver's environment reaches the workers.
+    link = {LINK_ENV: os.environ[LINK_ENV]} if os.environ.get(LINK_ENV) else {}
+    return {**{k: os.environ.get(k, v) for k, v in MALLOC_ENV.items()}, **spec.worker_env(), **link}
 
 
 @dataclasses.dataclass

@@ -70,10 +70,10 @@ class Rounds:
 
     def synchronize(self, step: int, members: Membership, deadline_s: float) -> None:
         live = sorted(members.live)
-        took = members.backend.synchronize(step, live, {s: self.replicas[s] for s in live}, deadline_s)
-        self._emit("diloco_sync", step=step, replicas=took if took is not None else "adopted",
-                   slices=live, **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
-                                   if took is not None and len(took) < self._replicas_n else {}))
+        took, moved = members.backend.synchronize(step, live, {s: self.replicas[s] for s in live}, deadline_s)
+        self._emit("diloco_sync", step=step, replicas=took if took is not None else "adopted", slices=live,
+                   bytes_across_slices=moved, **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
+                                                 if took is not None and len(took) < self._replicas_n else {}))
         self.round_start = step
         if self._policy == "pause" and step < self._steps:  # the round's start, for a replacement to recompute from
             self._round_states = {self.replicas[s]: ref for s, ref in members.backend.round_states(live).items()}

@@ -70,7 +70,7 @@ class DilocoRunner:
             raise
         return StepResult(replica_mean(out, replicas), {})
 
-    def synchronize(self, boundary: int, live: Mapping, replicas: Mapping[int, int], deadline_s: float) -> list:
+    def synchronize(self, boundary: int, live: Mapping, replicas: Mapping[int, int], deadline_s: float) -> tuple:
         """The outer step at `boundary` over the live replicas' deltas.
         Where some slices synchronized it already (a failure cut the last
         try short after their applies had every input), the others take
@@ -86,7 +86,7 @@ class DilocoRunner:
         if done:
             behind = [s for s in order if s not in done]
             self.adopt(behind, done[0], live, boundary, wait)
-            return None
+            return None, 0
         plan = ExchangePlan(chunks=1 if len(order) <= 2 else min(len(order), MAX_CHUNKS), blocks=self.blocks,
                             shards=tuple(sorted(replicas[s] for s in order)), fan_in=self.runner.fan_in)
         payloads: dict = {}
@@ -108,9 +108,12 @@ class DilocoRunner:
                 def apply(w=w, h=h, own=own):
                     return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])), self.runner.epoch)
                 applies.append(Call(s, h, apply(), apply))
-        self._gather(calls + reduces, boundary, wait, live)
+        self._gather(calls, boundary, wait, live)
+        summed = self._gather(reduces, boundary, wait, live)
         replies = self._gather(applies, boundary, wait, live)
-        return replies[(order[0], 0)]["replicas"]
+        moved = sum(r.get("bytes_in", 0) for r in [*summed.values(), *replies.values()])
+        self.bytes_synced += moved
+        return replies[(order[0], 0)]["replicas"], moved
 
     def adopt(self, slices: Sequence[int], donor: int, live: Mapping, boundary: int, wait: Deadline) -> None:
         """`slices` take `donor`'s global params and outer state (host i

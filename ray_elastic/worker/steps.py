@@ -218,8 +218,8 @@ class SliceSteps:
 
         t0 = time.perf_counter()
         summed = {**sum_chunk(plan, c, parts, jax.tree.map, self._state_op), "from_slice": self._slice_id}
-        self._exchange.reduced(parts, time.perf_counter() - t0)
-        return {"count": summed["count"]}, summed
+        taken = self._exchange.reduced(parts, time.perf_counter() - t0)
+        return {"count": summed["count"], "bytes_in": taken}, summed
 
     def _gathered(self, sums: tuple) -> dict:
         """The step's summed gradient from the owners' chunk sums, as
@@ -422,7 +422,7 @@ class SliceSteps:
 
         held, layout = self._held, self._layout
         if self.outer.synced == boundary:
-            return {"synced": boundary, "replicas": None}
+            return {"synced": boundary, "replicas": None, "bytes_in": 0}
         if held.step != boundary:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
         t0 = time.perf_counter()
@@ -435,8 +435,8 @@ class SliceSteps:
             mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
         held.params = self.outer.apply(mean, spec, boundary)
         held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
-        self._exchange.gathered(parts, time.perf_counter() - t0)
-        return {"synced": boundary, "replicas": sorted(total["weight"])}
+        taken = self._exchange.gathered(parts, time.perf_counter() - t0)
+        return {"synced": boundary, "replicas": sorted(total["weight"]), "bytes_in": taken}
 
     def adopt_outer(self, copy: dict, spec: OuterSpec) -> int:
         """Hold another replica's global params and outer state and

@@ -1,0 +1,112 @@
+"""Synchronous training against DiLoCo, with and without a slow link
+between slices: `python -m bench diloco [--runs N] [--steps S] [--out DIR]`.
+
+The example LM on 2 one-host slices of a local cluster, `--steps`
+(default 300) steps: synchronous training (a gradient exchange every
+step), DiLoCo with diloco_sync_period 10 and 36 (MaxText's default). Each
+without and with a simulated 1 Gbit/s link per host (worker/exchange_stats.py,
+LINK_ENV: a host waits for the bytes it took in from other slices as if
+they had come over that link; every host's waits are reported, summed). Per run: steps per second over the steps after the first 20,
+bytes that crossed slices per step (every host's counters, summed), the
+final loss and the loss curve; the curves of the first unthrottled runs
+go into a PNG. Medians over `--runs` runs, alternated on one
+cluster. Throttled and unthrottled runs of a variant must compute the
+same losses, bitwise: the link changes timing only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import ray
+
+from bench.common import lm_factory, start_cluster
+from ray_elastic.worker.exchange_stats import LINK_ENV
+
+VARIANTS = {"synchronous": 0, "diloco_h10": 10, "diloco_h36": 36}
+LINK_GBITS = 1.0
+SKIP = 20
+
+
+def _one(factory, steps: int, period: int) -> dict:
+    from ray_elastic import ElasticConfig, ElasticTrainer
+    from ray_elastic.callbacks import Callback
+
+    config = ElasticConfig(num_slices=2, enable_diloco=bool(period), **({"diloco_sync_period": period} if period else {}))
+    seen: dict = {}
+
+    class Watch(Callback):
+        def on_step(self, step, metrics):
+            if step == SKIP:
+                seen["from"] = time.perf_counter()
+
+        def on_event(self, event):
+            if event["event"] == "end" and trainer.members is not None:  # the workers still up
+                t = trainer.members.backend
+                seen["to"] = time.perf_counter()
+                seen["stats"] = ray.get([w.exchange_stats.remote() for s in sorted(trainer.members.live)
+                                         for w in t.workers(s)], timeout=60)
+
+    trainer = ElasticTrainer(factory, config, steps, callbacks=[Watch()])
+    report = trainer.fit()
+    crossed = sum(st["bytes_from_other_slices"] for st in seen["stats"])
+    return {"steps_per_s": round((steps - SKIP) / (seen["to"] - seen["from"]), 3),
+            "bytes_per_step": round(crossed / steps), "final_loss": report.losses[-1],
+            "link_wait_s": round(sum(st["link_wait_s"] for st in seen["stats"]), 3),
+            "losses": list(report.losses), "failures": len(report.failures)}
+
+
+def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
+    from bench.charts import curves_png
+
+    factory = lm_factory()
+    rows: dict = {}
+    cluster = start_cluster(2)
+    try:
+        for _ in range(runs):  # alternated, so every cell shares the machine's load alike
+            for name, period in VARIANTS.items():
+                for link in ("none", f"{LINK_GBITS:g}gbit"):
+                    if link == "none":
+                        os.environ.pop(LINK_ENV, None)
+                    else:  # the driver's setting reaches the run's workers (cluster/slice_group.py)
+                        os.environ[LINK_ENV] = str(LINK_GBITS)
+                    try:
+                        rows.setdefault((name, link), []).append(_one(factory, steps, period))
+                    finally:
+                        os.environ.pop(LINK_ENV, None)
+    finally:
+        cluster.shutdown()
+    out_rows = {}
+    for (name, link), rs in rows.items():
+        out_rows.setdefault(name, {})[link] = {
+            "steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
+            "bytes_per_step": statistics.median(r["bytes_per_step"] for r in rs),
+            "final_loss": rs[0]["final_loss"], "failures": sum(r["failures"] for r in rs),
+            "same_losses": all(r["losses"] == rows[(name, "none")][0]["losses"] for r in rs),
+            "link_wait_s": [r["link_wait_s"] for r in rs],
+            "runs": [{k: v for k, v in r.items() if k != "losses"} for r in rs]}
+    os.makedirs(out, exist_ok=True)
+    png = curves_png({name: rows[(name, "none")][0]["losses"] for name in VARIANTS}, os.path.join(out, "diloco_loss.png"),
+                     f"example LM, 2 slices, {steps} steps: synchronous vs DiLoCo")
+    return {"steps": steps, "runs": runs, "link_gbits": LINK_GBITS, "rows": out_rows, "png": png}
+
+
+def table(result: dict) -> str:
+    link = f"{result['link_gbits']:g}gbit"
+    sync = result["rows"]["synchronous"]
+    lines = [f"example LM, 2 one-host slices, {result['steps']} steps, medians of {result['runs']} runs "
+             f"(steps per second over steps {SKIP + 1}..{result['steps']})", "",
+             f"| variant | steps/s | steps/s at {result['link_gbits']:g} Gbit/s | kept | bytes across slices per step "
+             "| cut vs synchronous | final loss | vs synchronous | same losses throttled |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in result["rows"].items():
+        free, slow = r["none"], r[link]
+        cut = sync["none"]["bytes_per_step"] / max(free["bytes_per_step"], 1)
+        lines.append(f"| {name} | {free['steps_per_s']:.2f} | {slow['steps_per_s']:.2f} | "
+                     f"{slow['steps_per_s'] / free['steps_per_s']:.1%} | {free['bytes_per_step']:,.0f} | {cut:.1f}x | "
+                     f"{free['final_loss']:.4f} | {free['final_loss'] / sync['none']['final_loss'] - 1:+.1%} | "
+                     f"{slow['same_losses']} |")
+    lines.append(f"\nloss curves: {result['png']}")
+    return "\n".join(lines)
