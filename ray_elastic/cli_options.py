@@ -84,6 +84,9 @@ def add_shared_options(parser: argparse.ArgumentParser, steps: int, timeout_s: f
     opt("--spare-slices", type=int, default=0,
         help="spare_slices: hot standby slices, started and compiled ahead, that take a failed slice's place "
         "(default: %(default)s)")
+    opt("--diloco", type=positive_int, default=None, metavar="H",
+        help="enable_diloco with diloco_sync_period H: each slice a replica that trains alone and the replicas "
+        "synchronize every H steps (docs/diloco.md) (default: off, a gradient exchange every step)")
     opt("--steps", type=positive_int, default=steps, help="training steps (default: %(default)s)")
     opt("--timeout", type=float, default=timeout_s,
         help="timeout_s: seconds to wait for a replacement before failing (default: %(default)s)")
@@ -159,6 +162,7 @@ def elastic_config(args: argparse.Namespace, spec, **more):
         max_retries=args.max_retries,
         step_deadline_floor_s=args.hang_floor,
         spare_slices=args.spare_slices,
+        **({"enable_diloco": True, "diloco_sync_period": args.diloco} if getattr(args, "diloco", None) else {}),
         **more,
     )
 

@@ -295,6 +295,12 @@ class ElasticConfig:
         own dtype (float32 for float32 params). "bfloat16" halves the bytes;
         the owners still sum in float32. The loss moves by bfloat16's
         rounding of each slice's gradient (docs/benchmarks.md measures it).
+    enable_diloco, diloco_sync_period, diloco_outer_lr,
+        diloco_outer_momentum: DiLoCo, by MaxText's names and defaults
+        (False, 36, 0.3, 0.9): each slice a replica training alone on its
+        own shards, synchronized every diloco_sync_period steps by an outer
+        Nesterov step over the replicas' mean delta (docs/diloco.md). The
+        checks that compare replicas and the per-step snapshots are off.
     """
 
     num_slices: int = 2

@@ -76,3 +76,35 @@ def test_metrics_are_averaged_over_replicas_in_replica_order():
     out = replica_mean(metrics, {0: 0, 5: 1})
     assert out[(0, 0)]["loss"] == out[(5, 1)]["loss"] == 2.0
     assert out[(5, 0)]["aux"] == {"acc": 0.375} and out[(0, 0)]["replica_loss"] == 1.0
+
+
+def test_the_demo_and_job_driver_option():
+    from ray_elastic.cli import build_parser
+    from ray_elastic.cli_options import elastic_config
+
+    from ray_elastic import CpuSlice
+
+    args = build_parser().parse_args(["demo", "--diloco", "10", "--policy", "pause"])
+    config = elastic_config(args, CpuSlice())
+    assert config.enable_diloco and config.diloco_sync_period == 10 and config.diloco_outer_lr == 0.3
+    assert not elastic_config(build_parser().parse_args(["demo"]), CpuSlice()).enable_diloco
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--diloco", "0"])
+
+
+def test_progress_lines_show_the_rounds_and_the_bytes():
+    import io
+
+    from ray_elastic.observe.progress import ProgressCallback
+
+    stream = io.StringIO()
+    p = ProgressCallback(12, stream=stream)
+    p.on_event({"t": 1.0, "event": "diloco_sync", "step": 4, "replicas": [0, 1], "slices": [0, 1],
+                "bytes_across_slices": 892360})
+    p.on_event({"t": 2.0, "event": "diloco_caught_up", "slice": 2, "replica": 1, "steps": 2})
+    p.on_event({"t": 3.0, "event": "diloco_sync", "step": 8, "replicas": [0], "slices": [0],
+                "bytes_across_slices": 0, "lost": [1]})
+    lines = stream.getvalue().splitlines()
+    assert "step 4: DiLoCo replicas [0, 1] synchronized, 0.89 MB across slices (0.89 MB in all)" in lines[0]
+    assert "slice 2 took replica 1's place and recomputed its 2 inner step(s) of the round" in lines[1]
+    assert "replica(s) [1] left this round" in lines[2] and "(0.89 MB in all)" in lines[2]

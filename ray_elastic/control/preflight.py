@@ -26,6 +26,9 @@ def preflight(factory: Callable[[], TrainProgram], config: ElasticConfig, steps:
     not be traced without running it)."""
     c = config
     program = check_program(factory, c.slice.devices, c.seed, c.shards, steps)
+    if c.enable_diloco and program.has_model_state:
+        raise ConfigError("enable_diloco", "DiLoCo runs of a program with a model state (init_model_state) are "
+                          "not supported yet; set enable_diloco=False")
     needs = state_needs(program, c)
     if needs is not None:
         check_fits(needs, (c.num_slices + c.spare_slices) * len(c.slice.bundles()), machines())

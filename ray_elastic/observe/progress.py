@@ -96,6 +96,7 @@ class ProgressCallback(Callback):
         self._since: float = self._clock()  # when the current mode began
         self._wait_deadline_s: Optional[float] = None
         self._pending: list[int] = []  # slices being replaced
+        self._synced_bytes = 0  # DiLoCo's deltas that crossed slices, every synchronization's
         self._note = ""  # last unusual event, shown on the line
 
     # -- hooks --------------------------------------------------------------------
@@ -163,6 +164,16 @@ class ProgressCallback(Callback):
                     e.get("action"), "reported only (no spare to swap it for)")
                 lines.append(f"[{t:8.2f} s] slice {e.get('slice')} is a straggler ({_num(e.get('ratio'), '.2f')}x the "
                              f"others' time for {e.get('steps')} steps): {what}")
+            elif name == "diloco_sync":
+                important = True
+                self._synced_bytes += int(e.get("bytes_across_slices") or 0)
+                lost = f", replica(s) {e['lost']} left this round" if e.get("lost") else ""
+                lines.append(f"[{t:8.2f} s] step {e.get('step')}: DiLoCo replicas {e.get('replicas')} synchronized, "
+                             f"{_mb(e.get('bytes_across_slices'))} across slices ({_mb(self._synced_bytes)} in all){lost}")
+            elif name == "diloco_caught_up":
+                important = True
+                lines.append(f"[{t:8.2f} s] slice {e.get('slice')} took replica {e.get('replica')}'s place and "
+                             f"recomputed its {e.get('steps')} inner step(s) of the round")
             elif name == "rewind":
                 important = True
                 self._step = int(e.get("to_step", self._step))
@@ -312,6 +323,10 @@ class ProgressCallback(Callback):
                 if self._stop.is_set():
                     return
                 self._draw()
+
+
+def _mb(n) -> str:
+    return f"{(n or 0) / 1e6:.2f} MB"
 
 
 def _num(x: Any, fmt: str) -> str:
