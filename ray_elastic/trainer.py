@@ -60,10 +60,6 @@ class ElasticTrainer(Controller):
         remove_node: Optional[Callable[[str], None]] = None,
         freeze_node: Optional[Callable[[str], None]] = None,
     ):
-        if config.enable_diloco and checkpoint is not None:
-            raise ConfigError("checkpoint", "durable checkpoints of DiLoCo runs (each replica's inner optimizer "
-                              "state and the outer state) are not written yet; leave checkpoint=None (DiLoCo "
-                              "recovers from failures in memory) or set enable_diloco=False")
         if config.enable_diloco and any(f.phase != "grads" for f in faults):
             raise ConfigError("faults", "DiLoCo's inner steps have one phase: inject faults with phase='grads'")
         if on_step is not None or on_event is not None:

@@ -36,14 +36,31 @@ def test_bad_flags_name_the_setting(kw, setting):
     assert e.value.setting == setting
 
 
-def test_unsupported_combinations_fail_before_any_slice(tmp_path):
-    config = ElasticConfig(enable_diloco=True)
+def test_fault_phases_other_than_the_inner_steps_are_refused():
     with pytest.raises(ConfigError) as e:
-        ElasticTrainer(lambda: None, config, 4, checkpoint=CheckpointConfig(str(tmp_path)))
-    assert e.value.setting == "checkpoint"
-    with pytest.raises(ConfigError) as e:
-        ElasticTrainer(lambda: None, config, 4, faults=[Fault("kill", 1, 2, phase="apply")])
+        ElasticTrainer(lambda: None, ElasticConfig(enable_diloco=True), 4, faults=[Fault("kill", 1, 2, phase="apply")])
     assert e.value.setting == "faults"
+
+
+def test_a_checkpoint_without_diloco_or_of_other_replicas_is_refused(tmp_path):
+    import numpy as np
+
+    from ray_elastic.checkpoint.store import CheckpointStore
+
+    plain = str(tmp_path / "plain")
+    CheckpointStore(plain).save(2, {"params": {"w": np.zeros(2, np.float32)}}, {"seed": 0, "batch_shards": 2})
+    rounds = Rounds(ElasticConfig(enable_diloco=True), 8, checkpoint=CheckpointConfig(plain))
+    with pytest.raises(ConfigError) as e:
+        rounds.preflight()
+    assert e.value.setting == "checkpoint.path" and "without DiLoCo" in str(e.value)
+    three = str(tmp_path / "three")
+    CheckpointStore(three).save(2, {"global": {"w": np.zeros(2, np.float32)}},
+                                {"seed": 0, "batch_shards": 3, "diloco": {"num_replicas": 3}})
+    rounds = Rounds(ElasticConfig(enable_diloco=True), 8, checkpoint=CheckpointConfig(three))
+    with pytest.raises(ConfigError) as e:
+        rounds.preflight()
+    assert e.value.setting in ("batch_shards", "num_slices")
+    assert Rounds(ElasticConfig(enable_diloco=True), 8, checkpoint=CheckpointConfig(str(tmp_path / "new"))).preflight() is None
 
 
 def test_rounds_end_every_period_and_at_the_run_end():

@@ -127,3 +127,23 @@ def test_pause_with_a_spare_recomputes_the_round(nodes, free, lm_factory):
     assert _equal(trainer, free[0])
     # Step 5's loss is reported when the survivors finish it: replica 0's alone.
     assert report.losses[:5] + report.losses[6:] == free[1].losses[:5] + free[1].losses[6:]
+
+
+def test_cold_start_from_a_checkpoint_written_mid_round(nodes, free, lm_factory, tmp_path):
+    """A run stops with a checkpoint of step 6, mid-round (the round
+    started at 4); a new run on the same path resumes it: every replica's
+    inner state, the global params, the outer state and the round-start
+    states come back, and the run ends bitwise equal to the failure-free
+    one, losses included."""
+    from ray_elastic import CheckpointConfig
+
+    nodes(2)
+    path = str(tmp_path / "ckpt")
+    first, _, _ = _fit(lm_factory, _config(num_slices=2), steps=6,
+                       checkpoint=CheckpointConfig(path, save_every=6, save_at_end=False))
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2), checkpoint=CheckpointConfig(path, save_every=100))
+    restore = next(e for e in events if e["event"] == "restore")
+    assert restore["step"] == 6 and restore["source"] == "checkpoint"
+    assert [e["step"] for e in events if e["event"] == "diloco_sync"] == [8, 12]
+    assert _equal(trainer, free[0])
+    assert report.losses[6:] == free[1].losses[6:]

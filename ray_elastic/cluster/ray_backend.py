@@ -214,6 +214,21 @@ class RayBackend:
         live = self._live([*slices, donor])
         self.diloco.adopt(list(slices), donor, live, boundary, Deadline.after(self._clock(), deadline_s))
 
+    def put(self, value: Any) -> Any:
+        """`value` in the object store, owned by the driver (on its node)."""
+        return ray.put(value)
+
+    def outer_copy(self, slice_id: int) -> Any:
+        """A slice's global params and outer state on the host (a tuple,
+        one per host, under a sharded layout), as round_states' refs are."""
+        sl = self._up[slice_id]
+        return tuple(w.diloco_global.remote() for w in sl.workers) if sl.per_host else sl.workers[0].diloco_global.remote()
+
+    def load_outer(self, slices: Sequence[int], copy: Any, timeout_s: float) -> None:
+        """Every host of `slices` holds `copy` (whole arrays) as its global params and outer state."""
+        ray.get([w.diloco_load_outer.remote(copy, self.diloco.spec) for s in slices for w in self._up[s].workers],
+                timeout=timeout_s)
+
     def round_states(self, slices: Sequence[int]) -> dict:
         """slice -> a copy of its state now (a tuple, one per host, under a
         sharded layout), owned by the driver: a replica's round start."""

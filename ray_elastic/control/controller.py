@@ -101,7 +101,7 @@ class Controller:
         self._backend = seams.backend
         self._run_name = f"ray_elastic-{uuid.uuid4().hex[:6]}"
         self._ckpt = None
-        if checkpoint is not None:
+        if checkpoint is not None and not config.enable_diloco:  # DiLoCo's own: control/diloco_saves.py
             self._ckpt = CheckpointCoordinator(checkpoint, config.run_facts(), self._event, self._run_name,
                                                adopt=config.adopted_facts)
         self._preemption = PreemptionWatcher()
@@ -121,7 +121,7 @@ class Controller:
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
         self._saves: Optional[Saves] = None  # made by fit()
         self._checks, self._found = Checks(config, self._event), None  # the step's Divergence or Straggler
-        self._rounds = Rounds(config, steps, self._event)  # DiLoCo's (control/diloco.py); off unless enable_diloco
+        self._rounds = Rounds(config, steps, self._event, checkpoint)  # DiLoCo's (control/diloco.py); off unless enable_diloco
 
     # -- the loop ---------------------------------------------------------
 
@@ -137,9 +137,8 @@ class Controller:
         self._preemption.install()
         outcome, error = "completed", ""
         try:
-            # Storage is checked, and a cold start found, before any slice
-            # is reserved.
-            resume_from = self._ckpt.preflight() if self._ckpt else None
+            # Storage is checked, and a cold start found, before any slice is reserved.
+            resume_from = self._ckpt.preflight() if self._ckpt else self._rounds.preflight()
             if self._ckpt:
                 self._ckpt.start_writer()
             if self._backend is None:  # the program runs in the workers: checked here first (preflight)
@@ -152,7 +151,8 @@ class Controller:
                 backend, self._snapshots, self._event, checkpoints=self._ckpt,
                 load_timeout_s=max(30.0, self.config.first_step_deadline_s),
             )
-            self._saves = Saves(self._ckpt, self._snapshots, self.members, self._run_name, self._event, self._clock)
+            self._saves = (self._rounds.saves(self.members)
+                           or Saves(self._ckpt, self._snapshots, self.members, self._run_name, self._event, self._clock))
             def wanted(s: int):  # why a snapshot the schedule did not ask for is needed, if it is
                 if self._saves.due(s):
                     return "checkpoint"
@@ -161,8 +161,8 @@ class Controller:
             self._start()
             if self._ckpt:
                 backend.attach_checkpoints(self._ckpt, min(self.members.live))
-                if resume_from is not None:
-                    self._cold_start(resume_from)
+            if resume_from is not None:
+                self._cold_start(resume_from)
             while self.step < self.steps or self._rounds.owed(self.step):
                 if self._take_notice():
                     outcome = "preempted"

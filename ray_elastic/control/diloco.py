@@ -26,8 +26,11 @@ from __future__ import annotations
 
 from typing import Mapping, Optional
 
+from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.config import ElasticConfig
+from ray_elastic.control.diloco_saves import DilocoCheckpoints
 from ray_elastic.control.membership import Membership, StateSource
+from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.errors import SliceFailure
 
 __all__ = ["Rounds"]
@@ -37,7 +40,8 @@ class Rounds:
     """Which replica each slice is, where a round starts, and whether a
     synchronization is owed; off (`on` False) unless config.enable_diloco."""
 
-    def __init__(self, config: ElasticConfig, steps: int, emit=lambda name, **fields: None):
+    def __init__(self, config: ElasticConfig, steps: int, emit=lambda name, **fields: None,
+                 checkpoint: Optional[CheckpointConfig] = None):
         self.on = config.enable_diloco
         self._period = config.diloco_sync_period
         self._replicas_n = config.num_slices
@@ -48,6 +52,29 @@ class Rounds:
         self.replicas: dict[int, int] = {s: s for s in range(config.num_slices)}  # slice -> replica
         self.round_start = 0  # the step the current round started at (its global params')
         self._round_states: dict[int, object] = {}  # replica -> its state at round_start (pause)
+        # Durable checkpoints (diloco_saves.py), with a CheckpointConfig.
+        self.checkpoints = None
+        if self.on and checkpoint is not None:
+            spec = OuterSpec(config.diloco_outer_lr, config.diloco_outer_momentum)
+            self.checkpoints = DilocoCheckpoints(checkpoint, {**config.run_facts(), "num_replicas": config.num_slices},
+                                                 spec, steps, config.policy, emit)
+
+    def preflight(self) -> Optional[int]:
+        """The step a DiLoCo run resumes from (its storage checked first); None without checkpoints."""
+        return self.checkpoints.preflight() if self.checkpoints is not None else None
+
+    def saves(self, members: Membership):
+        """The DiLoCo run's saves (what the controller calls as it calls saves.py's); None without."""
+        return self.checkpoints.bind(self, members) if self.checkpoints is not None else None
+
+    def round_state_refs(self) -> dict:
+        """replica -> its state's ref at the round's start (pause), as kept."""
+        return dict(self._round_states)
+
+    def keep_round_states(self, by_slice: Mapping) -> None:
+        """Keep these slices' states (refs) as their replicas' round-start states (pause)."""
+        if self._policy == "pause":
+            self._round_states = {self.replicas[s]: ref for s, ref in by_slice.items()}
 
     def shards_of(self, replica: int) -> tuple:
         return tuple(s for s in range(self._shards) if s % self._replicas_n == replica)
@@ -75,8 +102,8 @@ class Rounds:
                    bytes_across_slices=moved, **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
                                                  if took is not None and len(took) < self._replicas_n else {}))
         self.round_start = step
-        if self._policy == "pause" and step < self._steps:  # the round's start, for a replacement to recompute from
-            self._round_states = {self.replicas[s]: ref for s, ref in members.backend.round_states(live).items()}
+        if step < self._steps:  # the round's start, for a replacement to recompute from
+            self.keep_round_states(members.backend.round_states(live))
 
     def restart(self, step: int) -> None:
         """The run went back to `step` with no live slice (a fresh start)."""

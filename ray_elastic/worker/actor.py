@@ -327,12 +327,18 @@ class SliceWorker:
         """The last round boundary this replica synchronized at (0: none yet)."""
         return self._steps.outer.synced
 
-    def diloco_global(self) -> dict:
+    def diloco_global(self) -> WholeState | HostBlocks:
         """This host's global params and outer state on the host, for a joining replica."""
         with self._held.lock:
             return self._steps.outer.host_copy()
 
-    def diloco_adopt(self, copy: dict, spec: OuterSpec) -> int:
+    def diloco_load_outer(self, copy: WholeState | HostBlocks, spec: OuterSpec) -> int:
+        """Hold a checkpoint's global params and outer state; the inner
+        state (loaded apart) stays. Returns their boundary."""
+        with self._held.lock:
+            return self._steps.load_outer(copy, spec)
+
+    def diloco_adopt(self, copy: WholeState | HostBlocks, spec: OuterSpec) -> int:
         """Hold another replica's global params and outer state
         (`diloco_global`'s) and continue from its global params, keeping
         this replica's inner optimizer state. Returns their boundary."""

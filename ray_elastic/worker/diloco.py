@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from ray_elastic.checkpoint.state_forms import HostBlocks, WholeState
 from ray_elastic.dispatch.outer_spec import OuterSpec
 
 __all__ = ["OuterState"]
@@ -31,8 +32,9 @@ class OuterState:
     """The global params and outer optimizer state of one host, and the
     last round boundary they were synchronized at (`synced`)."""
 
-    def __init__(self, layout: Any):
+    def __init__(self, layout: Any, host: int):
         self._layout = layout
+        self._host = host
         self.global_params: Any = None
         self.state: Any = None
         self.synced = 0
@@ -81,20 +83,25 @@ class OuterState:
     def global_copy(self, spec: OuterSpec) -> Any:
         return self._jitted(spec)[2](self.global_params)
 
-    def host_copy(self) -> dict:
-        """{"synced", "leaves"}: the global params' and outer state's leaves
-        on the host, whole (replicated) or this host's blocks (sharded)."""
+    def host_copy(self) -> WholeState | HostBlocks:
+        """The global params (as params) and the outer state (as opt_state)
+        on the host, stepped at the boundary they were synchronized at:
+        whole trees (replicated) or this host's blocks (sharded, tagged
+        "p" and "o" as a state's are), the forms a state moves in."""
         import jax
 
         from ray_elastic.worker.shards import local_blocks
 
-        leaves = jax.tree.leaves((self.global_params, self.state))
         if self._layout.sharded:
-            return {"synced": self.synced, "blocks": local_blocks(leaves)}
-        return {"synced": self.synced, "leaves": [np.asarray(a.addressable_data(0)) for a in leaves]}
+            blocks = {**local_blocks(jax.tree.leaves(self.global_params), "p"),
+                      **local_blocks(jax.tree.leaves(self.state), "o")}
+            return HostBlocks(self.synced, blocks, self._host)
+        host = lambda t: jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), t)  # noqa: E731
+        return WholeState(self.synced, host(self.global_params), host(self.state))
 
-    def load(self, copy: dict, spec: OuterSpec) -> None:
-        """Hold another replica's (same host index) global params and outer state."""
+    def load(self, copy: WholeState | HostBlocks, spec: OuterSpec) -> None:
+        """Hold another replica's global params and outer state (`host_copy`'s
+        form, from the same host index), or a checkpoint's whole arrays."""
         import jax
 
         from ray_elastic.worker.shards import from_local_blocks
@@ -103,14 +110,15 @@ class OuterState:
         layout = self._layout
         params_def = jax.tree.structure(layout.params_spec())
         state_def = jax.tree.structure(jax.eval_shape(spec.optimizer().init, layout.params_spec()))
-        n = params_def.num_leaves
-        if layout.sharded:
-            # Every leaf of the outer state mirrors a param's leaf: the params' specs twice.
-            specs = list(layout.param_specs) * (1 + state_def.num_leaves // max(n, 1))
-            leaves = from_local_blocks(copy["blocks"], specs[:n + state_def.num_leaves])
+        # Every leaf of the outer state mirrors a param's leaf: the params' specs, as often as needed.
+        specs = list(layout.param_specs) * max(1, state_def.num_leaves // max(params_def.num_leaves, 1))
+        if isinstance(copy, HostBlocks):
+            g = from_local_blocks(copy.blocks, layout.param_specs, "p")
+            o = from_local_blocks(copy.blocks, specs[:state_def.num_leaves], "o")
         else:
-            leaves = [device_array(a, layout.replicated) for a in copy["leaves"]]
+            g = [device_array(a, sp.sharding) for a, sp in zip(jax.tree.leaves(copy.params), layout.param_specs)]
+            o = [device_array(a, sp.sharding) for a, sp in zip(jax.tree.leaves(copy.opt_state), specs)]
         self._jitted(spec)
-        self.global_params = jax.tree.unflatten(params_def, leaves[:n])
-        self.state = jax.tree.unflatten(state_def, leaves[n:])
-        self.synced = copy["synced"]
+        self.global_params = jax.tree.unflatten(params_def, g)
+        self.state = jax.tree.unflatten(state_def, o)
+        self.synced = int(copy.step)

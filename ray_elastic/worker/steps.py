@@ -79,7 +79,7 @@ class SliceSteps:
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
         self._template = None  # the gradient's treedef and leaves (shape, dtype), as a host sends it
-        self.outer = OuterState(layout)  # DiLoCo's global params and outer optimizer state (diloco.py)
+        self.outer = OuterState(layout, host)  # DiLoCo's global params and outer optimizer state (diloco.py)
 
     def close(self) -> None:
         """The run ended: drop the batches read ahead (the process may serve another)."""
@@ -446,6 +446,12 @@ class SliceSteps:
         self.outer.load(copy, spec)
         self._held.params = self.outer.global_copy(spec)
         self._held.generation += 1
+        return self.outer.synced
+
+    def load_outer(self, copy, spec: OuterSpec) -> int:
+        """Hold global params and an outer state (a checkpoint's, at a cold
+        start), the inner state as it is. The caller holds the state's lock."""
+        self.outer.load(copy, spec)
         return self.outer.synced
 
     def _corrupting(self, target: str) -> bool:
