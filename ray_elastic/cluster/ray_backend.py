@@ -203,11 +203,11 @@ class RayBackend:
         self.locator.started(live, step)
         return self.diloco.inner(step, live, assignment, replicas, deadline_s, on_issued)
 
-    def synchronize(self, boundary: int, slices: Sequence[int], replicas: Mapping[int, int],
+    def synchronize(self, boundary: int, since: int, slices: Sequence[int], replicas: Mapping[int, int],
                     deadline_s: float) -> tuple:
         live = self._live(slices)
         self.locator.started(live, boundary)
-        return self.diloco.synchronize(boundary, live, replicas, deadline_s)
+        return self.diloco.synchronize(boundary, since, live, replicas, deadline_s)
 
     def adopt(self, slices: Sequence[int], donor: int, boundary: int, deadline_s: float) -> None:
         """`slices` take `donor`'s global params and outer state (a joiner at a round's start)."""
@@ -221,19 +221,30 @@ class RayBackend:
     def outer_copy(self, slice_id: int) -> Any:
         """A slice's global params and outer state on the host (a tuple,
         one per host, under a sharded layout), as round_states' refs are."""
-        sl = self._up[slice_id]
-        return tuple(w.diloco_global.remote() for w in sl.workers) if sl.per_host else sl.workers[0].diloco_global.remote()
+        sl, spec = self._up[slice_id], self.diloco.spec
+        return tuple(w.diloco_global.remote(spec) for w in sl.workers) if sl.per_host else sl.workers[0].diloco_global.remote(spec)
 
     def load_outer(self, slices: Sequence[int], copy: Any, timeout_s: float) -> None:
         """Every host of `slices` holds `copy` (whole arrays) as its global params and outer state."""
         ray.get([w.diloco_load_outer.remote(copy, self.diloco.spec) for s in slices for w in self._up[s].workers],
                 timeout=timeout_s)
 
+    def undo_sync(self, slices: Sequence[int], since: int, deadline_s: float) -> None:
+        """Every host of `slices` takes back an outer step past boundary
+        `since` (one a failure left applied on some hosts only)."""
+        live = self._live(slices)
+        self.diloco.runner.gather([Call(s, h, w.diloco_synced.remote(since), lambda w=w: w.diloco_synced.remote(since))
+                                   for s in slices for h, w in enumerate(live[s].workers)],
+                                  since, Deadline.after(self._clock(), deadline_s), live)
+
     def round_states(self, slices: Sequence[int]) -> dict:
         """slice -> a copy of its state now (a tuple, one per host, under a
-        sharded layout), owned by the driver: a replica's round start."""
-        return {s: tuple(w.flat_state.remote() for w in self._up[s].workers) if self._up[s].per_host
-                else self._up[s].workers[0].flat_state.remote() for s in slices}
+        sharded layout), owned by the driver: a replica's round start.
+        Made on the `compute` thread, between inner steps."""
+        def copy(w):
+            return w.flat_state.options(concurrency_group="compute").remote()
+        return {s: tuple(copy(w) for w in self._up[s].workers) if self._up[s].per_host
+                else copy(self._up[s].workers[0]) for s in slices}
 
     def catch_up(self, slice_id: int, donor: int, steps: range, shards: tuple, deadline_s: float) -> None:
         """A joiner that loaded a replica's round-start state takes the
@@ -243,13 +254,7 @@ class RayBackend:
         live = self._live([slice_id, donor])
         wait = Deadline.after(self._clock(), deadline_s)
         self.diloco.adopt([slice_id], donor, live, steps.start, wait)
-        after: list = []
-        for k in steps:
-            after = [w.inner_step.options(concurrency_group="compute").remote(k, shards, self.diloco.spec, *after)
-                     for w in live[slice_id].workers]
-        if after:
-            self.diloco.runner.gather([Call(slice_id, h, ref, lambda: ref) for h, ref in enumerate(after)],
-                                      steps.stop - 1, wait, {slice_id: live[slice_id]})
+        self.diloco.catch_up(slice_id, live, steps, shards, wait)
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)

@@ -167,9 +167,9 @@ class Controller:
                 if self._take_notice():
                     outcome = "preempted"
                     break
-                if not self._step_boundary():
-                    continue
-                try:
+                try:  # a join at the boundary may find a live slice lost too
+                    if not self._step_boundary():
+                        continue
                     if self._rounds.owed(self.step):  # a DiLoCo round ends: the replicas synchronize
                         self._rounds.synchronize(self.step, self.members, self._deadline_s())
                         continue

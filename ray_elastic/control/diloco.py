@@ -46,6 +46,7 @@ class Rounds:
         self._period = config.diloco_sync_period
         self._replicas_n = config.num_slices
         self._shards = config.shards
+        self._sync_deadline_s = config.first_step_deadline_s
         self._policy = config.policy
         self._steps = steps
         self._emit = emit
@@ -71,10 +72,10 @@ class Rounds:
         """replica -> its state's ref at the round's start (pause), as kept."""
         return dict(self._round_states)
 
-    def keep_round_states(self, by_slice: Mapping) -> None:
-        """Keep these slices' states (refs) as their replicas' round-start states (pause)."""
+    def keep_round_states(self, by_replica: Mapping) -> None:
+        """Keep these replicas' states (refs) as their round-start states (pause)."""
         if self._policy == "pause":
-            self._round_states = {self.replicas[s]: ref for s, ref in by_slice.items()}
+            self._round_states = dict(by_replica)
 
     def shards_of(self, replica: int) -> tuple:
         return tuple(s for s in range(self._shards) if s % self._replicas_n == replica)
@@ -97,13 +98,16 @@ class Rounds:
 
     def synchronize(self, step: int, members: Membership, deadline_s: float) -> None:
         live = sorted(members.live)
-        took, moved = members.backend.synchronize(step, live, {s: self.replicas[s] for s in live}, deadline_s)
+        # A synchronization moves a whole state's deltas: its deadline is
+        # at least the first step's, never the inner steps' (no exchange).
+        took, moved = members.backend.synchronize(step, self.round_start, live, self.replica_map(live),
+                                                  max(deadline_s, self._sync_deadline_s))
         self._emit("diloco_sync", step=step, replicas=took if took is not None else "adopted", slices=live,
                    bytes_across_slices=moved, **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
                                                  if took is not None and len(took) < self._replicas_n else {}))
         self.round_start = step
-        if step < self._steps:  # the round's start, for a replacement to recompute from
-            self.keep_round_states(members.backend.round_states(live))
+        if step < self._steps and self._policy == "pause":  # the round's start, for a replacement to recompute from
+            self.keep_round_states({self.replicas[s]: ref for s, ref in members.backend.round_states(live).items()})
 
     def restart(self, step: int) -> None:
         """The run went back to `step` with no live slice (a fresh start)."""
@@ -112,31 +116,43 @@ class Rounds:
     def join(self, new: list, step: int, members: Membership, deadline_s: float) -> bool:
         """Ready slices `new` join the live ones: each takes a missing
         replica (lowest first) and its state (see the module's doc).
-        False if a load failed (membership re-queued what it must)."""
+        False if a load failed or a joiner was lost (membership re-queued
+        what it must); a live slice lost meanwhile raises its failure,
+        the joiners back among the ready ones."""
         live = sorted(members.live)
-        held = {self.replicas[s] for s in live}
-        missing = [r for r in range(self._replicas_n) if r not in held]
+        replicas = self.replica_map(live)
+        missing = [r for r in range(self._replicas_n) if r not in replicas.values()]
         taken = dict(zip(sorted(new), missing))
-        donor = live[0]
-        if step == self.round_start:  # the donor's state is the round's start: params = the global params
-            if not members.join(list(taken), StateSource("live", step, members.backend.state(donor))):
+        donor = min(live, key=lambda s: replicas[s])  # the live replica with the lowest id
+        backend = members.backend
+        try:
+            if self._policy != "pause":  # resize: at a round's start, the donor's params are the global params
+                if not members.join(list(taken), StateSource("live", step, backend.state(donor))):
+                    return False
+                self.replicas.update(taken)
+                backend.adopt(list(taken), donor, step, deadline_s)
+                return True
+            # Pause: an outer step a failure left applied on some hosts
+            # is taken back: the round ends again with every replica.
+            backend.undo_sync(live, self.round_start, deadline_s)
+            for s, r in taken.items():
+                start: Optional[object] = self._round_states.get(r)
+                source = StateSource("snapshot", self.round_start, start) if start is not None else StateSource("initial", 0)
+                if not members.join([s], source):
+                    return False
+                self.replicas[s] = r
+                backend.catch_up(s, donor, range(self.round_start, step), self.shards_of(r),
+                                 deadline_s * max(1, step - self.round_start))
+                self._emit("diloco_caught_up", slice=s, replica=r, steps=step - self.round_start)
+        except SliceFailure as f:
+            joined = [s for s in taken if s in members.live]
+            if f.slice_id in taken:
+                members.lose(f.slice_id)
                 return False
-            self.replicas.update(taken)
-            members.backend.adopt(list(taken), donor, step, deadline_s)
-            return True
-        for s, r in taken.items():
-            start: Optional[object] = self._round_states.get(r)
-            source = StateSource("snapshot", self.round_start, start) if start is not None else StateSource("initial", 0)
-            if not members.join([s], source):
-                return False
-            self.replicas[s] = r
-            try:
-                members.backend.catch_up(s, donor, range(self.round_start, step), self.shards_of(r),
-                                         deadline_s * max(1, step - self.round_start))
-            except SliceFailure:
-                members.lose(s)
-                return False
-            self._emit("diloco_caught_up", slice=s, replica=r, steps=step - self.round_start)
+            for s in joined:  # ready again: they load anew at the next join
+                members.live.discard(s)
+                members.ready.add(s)
+            raise
         return True
 
     def replica_map(self, live) -> Mapping[int, int]:

@@ -82,19 +82,22 @@ class DilocoCheckpoints:
 
     def after_step(self, step: int) -> None:
         if self.due(step):
-            self.save(step)
+            self.now(step, self._config.save_timeout_s)
 
     def at_end(self, step: int) -> None:
         if self._config.save_at_end and self._last_saved != step:
-            self.save(step)
+            self.now(step, self._config.save_timeout_s)
 
     def now(self, step: int, timeout_s: float) -> bool:
-        """A preemption notice to the driver: save the step held now."""
+        """Save the step held now; False (reported as `checkpoint_failed`)
+        if a slice or the storage failed meanwhile: the run goes on, a
+        lost slice is found at the next step, the next save tries again."""
         try:
-            self.save(step)
+            self.save(step, timeout_s)
             return True
-        except Exception as e:  # the notice's deadline: report, do not raise
-            log.warning("DiLoCo checkpoint of step %d before the preemption failed: %s", step, e)
+        except Exception as e:
+            log.warning("DiLoCo checkpoint of step %d failed: %s", step, e)
+            self._emit("checkpoint_failed", step=step, reason=f"{type(e).__name__}: {e}")
             return False
 
     def before_preemption(self, step: int, slice_id: int, noticed_at: float, timeout_s: float) -> None:
@@ -128,12 +131,14 @@ class DilocoCheckpoints:
         out = whole_state(final_state(copy), template)
         return {"params": out["params"], "opt_state": out["opt_state"]}
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, timeout_s: float = 600.0) -> None:
         t0 = time.perf_counter()
         rounds, backend = self.rounds, self.members.backend
         live = sorted(self.members.live)
         inner_t, outer_t = self._templates()
-        fetch = backend.fetch
+
+        def fetch(ref):
+            return backend.fetch(ref, timeout_s=max(1.0, timeout_s - (time.perf_counter() - t0)))
         replicas = {}
         for s in live:
             replicas[_key(rounds.replicas[s])] = self._whole(fetch(backend.state(s)), inner_t)
@@ -165,18 +170,22 @@ class DilocoCheckpoints:
             template["round_start_opt"] = {_key(r): inner_t["opt_state"] for r in meta["round_start_states"]}
         state, _ = self._store.restore(step, template)
         rounds.round_start = int(meta["round_start"])
+        replicas = rounds.replica_map(live)
         for s in live:
-            r = rounds.replica_map(live)[s]
-            # A replica the checkpoint has none of (it had left its round)
-            # starts from the lowest saved one's, as a resize join does.
-            mine = state["replicas"][_key(r if r in saved else min(saved))]
+            if replicas[s] not in saved:
+                # The checkpoint has no state of this replica (it had left
+                # its round): it joins as a replacement would, ready again.
+                self.members.live.discard(s)
+                self.members.ready.add(s)
+                continue
+            mine = state["replicas"][_key(replicas[s])]
             backend.load([s], WholeState(step, mine["params"], mine["opt_state"]), timeout_s)
+        live = sorted(self.members.live)
         backend.load_outer(live, WholeState(rounds.round_start, state["global"], state["outer"]), timeout_s)
         if step == rounds.round_start:
-            rounds.keep_round_states(backend.round_states(live))
+            rounds.keep_round_states({replicas[s]: ref for s, ref in backend.round_states(live).items()})
         elif "round_start_opt" in state:
-            rounds.keep_round_states({s: backend.put(WholeState(rounds.round_start, state["global"],
-                                                            state["round_start_opt"][_key(rounds.replicas[s])]))
-                                      for s in live if _key(rounds.replicas[s]) in state["round_start_opt"]})
+            rounds.keep_round_states({int(k[1:]): backend.put(WholeState(rounds.round_start, state["global"], opt))
+                                      for k, opt in state["round_start_opt"].items()})
         self._last_saved = step
         return step

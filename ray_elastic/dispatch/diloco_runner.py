@@ -70,50 +70,82 @@ class DilocoRunner:
             raise
         return StepResult(replica_mean(out, replicas), {})
 
-    def synchronize(self, boundary: int, live: Mapping, replicas: Mapping[int, int], deadline_s: float) -> tuple:
-        """The outer step at `boundary` over the live replicas' deltas.
-        Where some slices synchronized it already (a failure cut the last
-        try short after their applies had every input), the others take
-        their global params instead of exchanging again. Returns the
-        replicas whose deltas the outer step averaged (None: taken from a
-        slice that had synchronized)."""
+    def synchronize(self, boundary: int, since: int, live: Mapping, replicas: Mapping[int, int],
+                    deadline_s: float) -> tuple:
+        """The outer step at `boundary` over the live replicas' deltas
+        (`since`: the round's start, the boundary they last synchronized
+        at). A failure cut the last try short after some hosts' applies
+        had every input: where whole slices applied it, the others take
+        their global params instead of exchanging again; where only some
+        hosts did, theirs is taken back and the exchange runs again.
+        Returns the replicas whose deltas the outer step averaged (None:
+        taken from slices that had synchronized) and the bytes that
+        crossed slices."""
         wait = Deadline.after(self._clock(), deadline_s)
         order = sorted(live)
-        asks = [Call(s, 0, live[s].workers[0].diloco_synced.remote(), live[s].workers[0].diloco_synced.remote)
-                for s in order]
-        synced = self._gather(asks, boundary, wait, live)
-        done = [s for s in order if synced[(s, 0)] == boundary]
+        synced = self._on_hosts(live, order, boundary, wait, lambda w: w.diloco_synced.remote())
+        done = [s for s in order if all(synced[(s, h)] == boundary for h in range(len(live[s].workers)))]
         if done:
             behind = [s for s in order if s not in done]
-            self.adopt(behind, done[0], live, boundary, wait)
+            self.adopt(behind, min(done, key=lambda s: replicas[s]), live, boundary, wait)
             return None, 0
+        if any(v != since for v in synced.values()):
+            self._on_hosts(live, order, boundary, wait, lambda w: w.diloco_synced.remote(since))
         plan = ExchangePlan(chunks=1 if len(order) <= 2 else min(len(order), MAX_CHUNKS), blocks=self.blocks,
                             shards=tuple(sorted(replicas[s] for s in order)), fan_in=self.runner.fan_in)
         payloads: dict = {}
-        calls = []
-        for s in order:
-            for h, w in enumerate(live[s].workers):
-                def call(w=w, s=s, h=h):
-                    status, *chunks = w.diloco_delta.options(num_returns=1 + plan.chunks, concurrency_group="compute").remote(
-                        boundary, replicas[s], plan, self.spec)
-                    payloads.setdefault(s, {})[h] = tuple(chunks)
-                    return status
-                calls.append(Call(s, h, call(), call, lambda s=s, h=h: payloads[s][h]))
-        groups = senders(live[order[0]])
-        reduces, tops = issue_exchange(self.runner, boundary, live, sources_of(payloads), plan, groups)
-        applies = []
-        for s in order:
-            own = per_host(live[s])
-            for h, w in enumerate(live[s].workers):
-                def apply(w=w, h=h, own=own):
-                    return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])), self.runner.epoch)
-                applies.append(Call(s, h, apply(), apply))
-        self._gather(calls, boundary, wait, live)
-        summed = self._gather(reduces, boundary, wait, live)
-        replies = self._gather(applies, boundary, wait, live)
+        issued: list = []
+        try:
+            deltas = []
+            for s in order:
+                for h, w in enumerate(live[s].workers):
+                    def call(w=w, s=s, h=h):
+                        status, *chunks = w.diloco_delta.options(num_returns=1 + plan.chunks, concurrency_group="compute").remote(
+                            boundary, replicas[s], plan, self.spec)
+                        payloads.setdefault(s, {})[h] = tuple(chunks)
+                        return status
+                    deltas.append(Call(s, h, call(), call, lambda s=s, h=h: payloads[s][h]))
+            issued += deltas
+            self.runner.gather(deltas, boundary, wait, live)
+            # Issued once every delta is in: a re-issued one's chunks are the ones summed.
+            reduces, tops = issue_exchange(self.runner, boundary, live, sources_of(payloads), plan, senders(live[order[0]]))
+            issued += reduces
+            summed = self.runner.gather(reduces, boundary, wait, live)
+            applies = []
+            for s in order:
+                own = per_host(live[s])
+                for h, w in enumerate(live[s].workers):
+                    def apply(w=w, h=h, own=own):
+                        return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])),
+                                                     self.runner.epoch)
+                    applies.append(Call(s, h, apply(), apply))
+            issued += applies
+            replies = self.runner.gather(applies, boundary, wait, live)
+        except SliceFailure as f:
+            self._give_up(f.slice_id, issued, live, boundary)
+            raise
         moved = sum(r.get("bytes_in", 0) for r in [*summed.values(), *replies.values()])
         self.bytes_synced += moved
         return replies[(order[0], 0)]["replicas"], moved
+
+    def _give_up(self, lost: int, issued: list, live: Mapping, boundary: int) -> None:
+        """A synchronization lost a slice: the survivors' calls still
+        waiting for an input stop (they change nothing), the others end;
+        then each host has applied the outer step or not, and the next try
+        sorts them (`synchronize`). Every reply is read once done."""
+        for s in sorted(live):
+            if s != lost:
+                for w in live[s].workers:
+                    w.abort_waits.options(concurrency_group="control").remote(self.runner.epoch, boundary)
+        rest = [c.ref for c in issued if c.slice_id != lost]
+        ray.wait(rest, num_returns=len(rest), timeout=30.0)
+        for c in issued:
+            self.runner.unread.add(c.ref, c.others())
+
+    def _on_hosts(self, live: Mapping, order: list, k: int, wait: Deadline, fn: Callable) -> dict:
+        """(slice, host) -> fn(worker)'s reply, on every host of the slices in `order`."""
+        calls = [Call(s, h, fn(w), lambda w=w: fn(w)) for s in order for h, w in enumerate(live[s].workers)]
+        return self.runner.gather(calls, k, wait, live)
 
     def adopt(self, slices: Sequence[int], donor: int, live: Mapping, boundary: int, wait: Deadline) -> None:
         """`slices` take `donor`'s global params and outer state (host i
@@ -123,9 +155,16 @@ class DilocoRunner:
         for s in slices:
             for h, w in enumerate(live[s].workers):
                 def call(w=w, h=h):
-                    return w.diloco_adopt.remote(live[donor].workers[h].diloco_global.remote(), self.spec)
+                    return w.diloco_adopt.remote(live[donor].workers[h].diloco_global.remote(self.spec), self.spec)
                 calls.append(Call(s, h, call(), call))
-        self._gather(calls, boundary, wait, live)
+        self.runner.gather(calls, boundary, wait, live)
 
-    def _gather(self, calls: list, k: int, wait: Deadline, live: Mapping) -> dict:
-        return self.runner.gather(calls, k, wait, live)
+    def catch_up(self, slice_id: int, live: Mapping, steps: range, shards: tuple, wait: Deadline) -> None:
+        """A joiner recomputes its replica's inner `steps`, one after the other."""
+        for k in steps:
+            calls = []
+            for h, w in enumerate(live[slice_id].workers):
+                def call(w=w):
+                    return w.inner_step.options(concurrency_group="compute").remote(k, shards, self.spec)
+                calls.append(Call(slice_id, h, call(), call))
+            self.runner.gather(calls, k, wait, {slice_id: live[slice_id]})

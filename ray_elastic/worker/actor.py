@@ -314,7 +314,8 @@ class SliceWorker:
     def diloco_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec) -> tuple:
         """(status, chunk 0, ..., chunk n-1): this replica's delta from the
         round's global params, cut for the exchange's owners."""
-        return self._steps.outer_delta(boundary, replica, plan, spec)
+        with self._held.lock:
+            return self._steps.outer_delta(boundary, replica, plan, spec)
 
     def diloco_outer(self, boundary: int, spec: OuterSpec, parts: list, epoch: int = 0) -> dict:
         """The outer step at `boundary` over the owners' sums in `parts`
@@ -323,14 +324,18 @@ class SliceWorker:
         with self._held.lock:
             return self._steps.outer_apply(boundary, parts, spec)
 
-    def diloco_synced(self) -> int:
-        """The last round boundary this replica synchronized at (0: none yet)."""
-        return self._steps.outer.synced
+    def diloco_synced(self, undo_past: Optional[int] = None) -> int:
+        """The last round boundary this host synchronized at (0: none yet);
+        with `undo_past`, an outer step past that boundary is taken back
+        first (a synchronization some hosts of the run applied and others
+        did not, run again)."""
+        with self._held.lock:
+            return self._steps.outer.synced if undo_past is None else self._steps.undo_outer(undo_past)
 
-    def diloco_global(self) -> WholeState | HostBlocks:
+    def diloco_global(self, spec: OuterSpec) -> WholeState | HostBlocks:
         """This host's global params and outer state on the host, for a joining replica."""
         with self._held.lock:
-            return self._steps.outer.host_copy()
+            return self._steps.outer_copy(spec)
 
     def diloco_load_outer(self, copy: WholeState | HostBlocks, spec: OuterSpec) -> int:
         """Hold a checkpoint's global params and outer state; the inner

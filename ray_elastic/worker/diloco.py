@@ -40,6 +40,11 @@ class OuterState:
         self.synced = 0
         self._spec: Optional[OuterSpec] = None
         self._fns: Any = None  # (delta, outer update, copy), jitted once the spec is known
+        # What the last outer step replaced, (global params, state, synced,
+        # the replica's params), until the next inner step: a step that
+        # some hosts of the run applied and others did not (a slice lost
+        # mid-synchronization) is taken back before it runs again (`undo`).
+        self._before: Optional[tuple] = None
 
     @property
     def started(self) -> bool:
@@ -58,7 +63,7 @@ class OuterState:
 
             self._spec = spec
             self._fns = (jax.jit(lambda g, p: jax.tree.map(lambda a, b: a - b, g, p)), jax.jit(outer),
-                         jax.jit(lambda t: jax.tree.map(lambda a: a + 0, t)), jax.jit(opt.init))
+                         jax.jit(lambda t: jax.tree.map(lambda a: jax.numpy.array(a, copy=True), t)), jax.jit(opt.init))
         return self._fns
 
     def start(self, params: Any, spec: OuterSpec, step: int) -> None:
@@ -72,13 +77,28 @@ class OuterState:
         """global - params: this replica's share of the pseudo-gradient."""
         return self._jitted(spec)[0](self.global_params, params)
 
-    def apply(self, mean_delta: Any, spec: OuterSpec, boundary: int) -> Any:
-        """The outer step with the replicas' mean delta; returns the params
-        every replica continues from (a copy of the new global params)."""
+    def apply(self, mean_delta: Any, spec: OuterSpec, boundary: int, params: Any) -> Any:
+        """The outer step with the replicas' mean delta, over this replica's
+        `params`; returns the params every replica continues from (a copy
+        of the new global params)."""
         _, outer, copy, _ = self._jitted(spec)
+        self._before = (self.global_params, self.state, self.synced, params)
         self.global_params, self.state = outer(self.global_params, self.state, mean_delta)
         self.synced = boundary
         return copy(self.global_params)
+
+    def undo(self, to: int) -> Optional[Any]:
+        """Take back the last outer step if it moved `synced` past `to`;
+        returns the replica's params from before it (None: nothing taken back)."""
+        if self.synced == to or self._before is None or self._before[2] != to:
+            return None
+        self.global_params, self.state, self.synced, params = self._before
+        self._before = None
+        return params
+
+    def settled(self) -> None:
+        """An inner step ran after the last outer step: it is never taken back."""
+        self._before = None
 
     def global_copy(self, spec: OuterSpec) -> Any:
         return self._jitted(spec)[2](self.global_params)
@@ -119,6 +139,7 @@ class OuterState:
             g = [device_array(a, sp.sharding) for a, sp in zip(jax.tree.leaves(copy.params), layout.param_specs)]
             o = [device_array(a, sp.sharding) for a, sp in zip(jax.tree.leaves(copy.opt_state), specs)]
         self._jitted(spec)
+        self._before = None  # a step loaded is never taken back
         self.global_params = jax.tree.unflatten(params_def, g)
         self.state = jax.tree.unflatten(state_def, o)
         self.synced = int(copy.step)

@@ -363,6 +363,7 @@ class SliceSteps:
         held.ensure()
         if not self.outer.started:  # the run's first round starts from the step-0 state
             self.outer.start(held.params, spec, step)
+        self.outer.settled()
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -433,7 +434,7 @@ class SliceSteps:
             mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
         else:
             mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
-        held.params = self.outer.apply(mean, spec, boundary)
+        held.params = self.outer.apply(mean, spec, boundary, held.params)
         held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
         taken = self._exchange.gathered(parts, time.perf_counter() - t0)
         return {"synced": boundary, "replicas": sorted(total["weight"]), "bytes_in": taken}
@@ -446,6 +447,24 @@ class SliceSteps:
         self.outer.load(copy, spec)
         self._held.params = self.outer.global_copy(spec)
         self._held.generation += 1
+        return self.outer.synced
+
+    def outer_copy(self, spec: OuterSpec):
+        """This host's global params and outer state on the host (the
+        round's first, made from the held state, if no inner step ran yet)."""
+        held = self._held
+        if not self.outer.started:
+            held.ensure()
+            self.outer.start(held.params, spec, held.step)
+        return self.outer.host_copy()
+
+    def undo_outer(self, to: int) -> int:
+        """Take back an outer step past boundary `to` (worker/diloco.py's
+        `undo`); returns the boundary held after. The caller holds the lock."""
+        params = self.outer.undo(to)
+        if params is not None:
+            self._held.params = params
+            self._held.generation += 1
         return self.outer.synced
 
     def load_outer(self, copy, spec: OuterSpec) -> int:
