@@ -60,8 +60,9 @@ class ElasticTrainer(Controller):
         remove_node: Optional[Callable[[str], None]] = None,
         freeze_node: Optional[Callable[[str], None]] = None,
     ):
-        if config.enable_diloco and any(f.phase != "grads" for f in faults):
-            raise ConfigError("faults", "DiLoCo's inner steps have one phase: inject faults with phase='grads'")
+        if any((f.phase in ("grads", "sync")) != config.enable_diloco and f.phase != "grads" for f in faults):
+            raise ConfigError("faults", "DiLoCo runs take faults at phase 'grads' (an inner step) or 'sync' (a "
+                              "synchronization); other runs at 'grads', 'reduce' or 'apply'")
         if on_step is not None or on_event is not None:
             callbacks = [*callbacks, FunctionCallback(on_step, on_event)]
         super().__init__(

@@ -121,7 +121,15 @@ def test_progress_lines_show_the_rounds_and_the_bytes():
     p.on_event({"t": 2.0, "event": "diloco_caught_up", "slice": 2, "replica": 1, "steps": 2})
     p.on_event({"t": 3.0, "event": "diloco_sync", "step": 8, "replicas": [0], "slices": [0],
                 "bytes_across_slices": 0, "lost": [1]})
+    p.on_event({"t": 4.0, "event": "diloco_sync_undone", "step": 8, "hosts": 1})
     lines = stream.getvalue().splitlines()
     assert "step 4: DiLoCo replicas [0, 1] synchronized, 0.89 MB across slices (0.89 MB in all)" in lines[0]
     assert "slice 2 took replica 1's place and recomputed its 2 inner step(s) of the round" in lines[1]
     assert "replica(s) [1] left this round" in lines[2] and "(0.89 MB in all)" in lines[2]
+    assert "taken back on 1 host(s): the round from step 8 ends again with every replica" in lines[3]
+
+
+def test_sync_faults_are_for_diloco_runs_only():
+    with pytest.raises(ConfigError) as e:
+        ElasticTrainer(lambda: None, ElasticConfig(), 4, faults=[Fault("kill", 1, 2, phase="sync")])
+    assert e.value.setting == "faults"

@@ -147,3 +147,19 @@ def test_cold_start_from_a_checkpoint_written_mid_round(nodes, free, lm_factory,
     assert [e["step"] for e in events if e["event"] == "diloco_sync"] == [8, 12]
     assert _equal(trainer, free[0])
     assert report.losses[6:] == free[1].losses[6:]
+
+
+def test_pause_kill_mid_synchronization(nodes, free, lm_factory):
+    """Replica 1 is killed while the synchronization at step 8 applies
+    (its delta already sent): the survivor's outer step, applied or not,
+    is taken back; the spare recomputes replica 1's round (steps 4-7) and
+    the round ends again with both replicas: bitwise the failure-free run."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, spare_slices=1),
+                                   faults=[Fault("kill", 1, 8, phase="sync")])
+    assert [e["phase"] for e in events if e["event"] == "fault"] == ["sync"]
+    caught = [e for e in events if e["event"] == "diloco_caught_up"]
+    assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 4, caught
+    assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[8] == [0, 1]
+    assert _equal(trainer, free[0])
+    assert report.losses == free[1].losses

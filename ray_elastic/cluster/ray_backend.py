@@ -204,10 +204,10 @@ class RayBackend:
         return self.diloco.inner(step, live, assignment, replicas, deadline_s, on_issued)
 
     def synchronize(self, boundary: int, since: int, slices: Sequence[int], replicas: Mapping[int, int],
-                    deadline_s: float) -> tuple:
+                    deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None) -> tuple:
         live = self._live(slices)
         self.locator.started(live, boundary)
-        return self.diloco.synchronize(boundary, since, live, replicas, deadline_s)
+        return self.diloco.synchronize(boundary, since, live, replicas, deadline_s, on_issued)
 
     def adopt(self, slices: Sequence[int], donor: int, boundary: int, deadline_s: float) -> None:
         """`slices` take `donor`'s global params and outer state (a joiner at a round's start)."""
@@ -229,13 +229,21 @@ class RayBackend:
         ray.get([w.diloco_load_outer.remote(copy, self.diloco.spec) for s in slices for w in self._up[s].workers],
                 timeout=timeout_s)
 
-    def undo_sync(self, slices: Sequence[int], since: int, deadline_s: float) -> None:
+    def undo_sync(self, slices: Sequence[int], since: int, deadline_s: float) -> int:
         """Every host of `slices` takes back an outer step past boundary
-        `since` (one a failure left applied on some hosts only)."""
-        live = self._live(slices)
-        self.diloco.runner.gather([Call(s, h, w.diloco_synced.remote(since), lambda w=w: w.diloco_synced.remote(since))
-                                   for s in slices for h, w in enumerate(live[s].workers)],
-                                  since, Deadline.after(self._clock(), deadline_s), live)
+        `since` (one a failure left applied on some hosts only); returns
+        how many hosts took one back."""
+        live, wait = self._live(slices), Deadline.after(self._clock(), deadline_s)
+
+        def on_hosts(hosts, fn):
+            return self.diloco.runner.gather([Call(s, h, fn(live[s].workers[h]), lambda s=s, h=h: fn(live[s].workers[h]))
+                                              for s, h in hosts], since, wait, live)
+
+        held = on_hosts([(s, h) for s in slices for h in range(len(live[s].workers))], lambda w: w.diloco_synced.remote())
+        past = [key for key, synced in held.items() if synced != since]
+        if past:
+            on_hosts(past, lambda w: w.diloco_synced.remote(since))
+        return len(past)
 
     def round_states(self, slices: Sequence[int]) -> dict:
         """slice -> a copy of its state now (a tuple, one per host, under a

@@ -121,7 +121,7 @@ class Controller:
         self._snapshots: Optional[SnapshotStore] = None  # made by fit()
         self._saves: Optional[Saves] = None  # made by fit()
         self._checks, self._found = Checks(config, self._event), None  # the step's Divergence or Straggler
-        self._rounds = Rounds(config, steps, self._event, checkpoint)  # DiLoCo's (control/diloco.py); off unless enable_diloco
+        self._rounds = Rounds(config, steps, self._event, checkpoint, self._injector)  # DiLoCo's (control/diloco.py); off unless enable_diloco
 
     # -- the loop ---------------------------------------------------------
 

@@ -41,12 +41,13 @@ class Rounds:
     synchronization is owed; off (`on` False) unless config.enable_diloco."""
 
     def __init__(self, config: ElasticConfig, steps: int, emit=lambda name, **fields: None,
-                 checkpoint: Optional[CheckpointConfig] = None):
+                 checkpoint: Optional[CheckpointConfig] = None, injector=None):
         self.on = config.enable_diloco
         self._period = config.diloco_sync_period
         self._replicas_n = config.num_slices
         self._shards = config.shards
         self._sync_deadline_s = config.first_step_deadline_s
+        self._injector = injector  # faults of phase "sync" (failures/faults.py)
         self._policy = config.policy
         self._steps = steps
         self._emit = emit
@@ -100,8 +101,13 @@ class Rounds:
         live = sorted(members.live)
         # A synchronization moves a whole state's deltas: its deadline is
         # at least the first step's, never the inner steps' (no exchange).
+        def fire(phase: str = "sync") -> None:
+            for fired in self._injector.fire_due(step, members.hosts(), phase) if self._injector else ():
+                self._emit("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host,
+                           step=step, phase=phase)
+
         took, moved = members.backend.synchronize(step, self.round_start, live, self.replica_map(live),
-                                                  max(deadline_s, self._sync_deadline_s))
+                                                  max(deadline_s, self._sync_deadline_s), fire)
         self._emit("diloco_sync", step=step, replicas=took if took is not None else "adopted", slices=live,
                    bytes_across_slices=moved, **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
                                                  if took is not None and len(took) < self._replicas_n else {}))
@@ -134,7 +140,9 @@ class Rounds:
                 return True
             # Pause: an outer step a failure left applied on some hosts
             # is taken back: the round ends again with every replica.
-            backend.undo_sync(live, self.round_start, deadline_s)
+            undone = backend.undo_sync(live, self.round_start, deadline_s)
+            if undone:
+                self._emit("diloco_sync_undone", step=self.round_start, hosts=undone)
             for s, r in taken.items():
                 start: Optional[object] = self._round_states.get(r)
                 source = StateSource("snapshot", self.round_start, start) if start is not None else StateSource("initial", 0)

@@ -71,7 +71,7 @@ class DilocoRunner:
         return StepResult(replica_mean(out, replicas), {})
 
     def synchronize(self, boundary: int, since: int, live: Mapping, replicas: Mapping[int, int],
-                    deadline_s: float) -> tuple:
+                    deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None) -> tuple:
         """The outer step at `boundary` over the live replicas' deltas
         (`since`: the round's start, the boundary they last synchronized
         at). A failure cut the last try short after some hosts' applies
@@ -80,7 +80,8 @@ class DilocoRunner:
         hosts did, theirs is taken back and the exchange runs again.
         Returns the replicas whose deltas the outer step averaged (None:
         taken from slices that had synchronized) and the bytes that
-        crossed slices."""
+        crossed slices. `on_issued("sync")` runs once the outer applies
+        are issued."""
         wait = Deadline.after(self._clock(), deadline_s)
         order = sorted(live)
         synced = self._on_hosts(live, order, boundary, wait, lambda w: w.diloco_synced.remote())
@@ -120,6 +121,7 @@ class DilocoRunner:
                                                      self.runner.epoch)
                     applies.append(Call(s, h, apply(), apply))
             issued += applies
+            on_issued("sync")  # where injected faults of phase "sync" fire
             replies = self.runner.gather(applies, boundary, wait, live)
         except SliceFailure as f:
             self._give_up(f.slice_id, issued, live, boundary)

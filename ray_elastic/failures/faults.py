@@ -30,7 +30,10 @@ CORRUPT_TARGETS = ("state", "grads", "state+", "grads+", "check")
 # once the sum is made, as the applies are issued (StepRunner.run). With
 # pipelined dispatch the tree and the applies were issued ahead, so the
 # fault races them; with RAY_ELASTIC_PIPELINE=0 it hits each phase for sure.
-FAULT_PHASES = ("grads", "reduce", "apply")
+# DiLoCo's (control/diloco.py): an inner step's one moment ("grads"), and
+# "sync": a synchronization's, once its outer applies are issued (the
+# deltas all in), at the boundary `step`.
+FAULT_PHASES = ("grads", "reduce", "apply", "sync")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,6 +170,10 @@ class ProgressCallback(Callback):
                 lost = f", replica(s) {e['lost']} left this round" if e.get("lost") else ""
                 lines.append(f"[{t:8.2f} s] step {e.get('step')}: DiLoCo replicas {e.get('replicas')} synchronized, "
                              f"{_mb(e.get('bytes_across_slices'))} across slices ({_mb(self._synced_bytes)} in all){lost}")
+            elif name == "diloco_sync_undone":
+                important = True
+                lines.append(f"[{t:8.2f} s] a synchronization cut short by the failure was taken back on "
+                             f"{e.get('hosts')} host(s): the round from step {e.get('step')} ends again with every replica")
             elif name == "diloco_caught_up":
                 important = True
                 lines.append(f"[{t:8.2f} s] slice {e.get('slice')} took replica {e.get('replica')}'s place and "
