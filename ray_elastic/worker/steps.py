@@ -274,11 +274,9 @@ class SliceSteps:
         import jax
 
         held, layout, program = self._held, self._layout, self._layout.program
-        if held.step == step + 1 and held.last_apply is not None:
-            return held.last_apply
-        if step != held.step:
-            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to apply {step}")
-        held.ensure()
+        done = self._taken_or_ready(step, "to apply")
+        if done is not None:
+            return done
         # The held state's fingerprint, begun by the last apply: (seconds
         # spent on it, seconds this apply waited for it).
         checked, spent = {}, (0.0, 0.0)
@@ -356,11 +354,9 @@ class SliceSteps:
         import jax
 
         held, layout, program = self._held, self._layout, self._layout.program
-        if held.step == step + 1 and held.last_apply is not None:
-            return held.last_apply
-        if step != held.step:
-            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for inner step {step}")
-        held.ensure()
+        done = self._taken_or_ready(step, "for inner step")
+        if done is not None:
+            return done
         if not self.outer.started:  # the run's first round starts from the step-0 state
             self.outer.start(held.params, spec, step)
         self.outer.settled()
@@ -472,6 +468,18 @@ class SliceSteps:
         start), the inner state as it is. The caller holds the state's lock."""
         self.outer.load(copy, spec)
         return self.outer.synced
+
+    def _taken_or_ready(self, step: int, asked: str) -> Optional[dict]:
+        """The metrics of step `step` if it is taken already (a re-issued
+        call); else None, the held state made sure of, which must be that
+        of step `step`."""
+        held = self._held
+        if held.step == step + 1 and held.last_apply is not None:
+            return held.last_apply
+        if step != held.step:
+            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked {asked} {step}")
+        held.ensure()
+        return None
 
     def _corrupting(self, target: str) -> bool:
         """Whether a `corrupt` fault of `target` flips a bit now (once,
