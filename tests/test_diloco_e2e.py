@@ -163,3 +163,17 @@ def test_pause_kill_mid_synchronization(nodes, free, lm_factory):
     assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[8] == [0, 1]
     assert _equal(trainer, free[0])
     assert report.losses == free[1].losses
+
+
+def test_pause_node_removed_mid_round(cluster, nodes, free, lm_factory):
+    """Replica 1's node is removed in inner step 5: its state of the
+    round's start went with it, and the copy kept on replica 0's node
+    serves the spare, which recomputes the round: bitwise the failure-free run."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, spare_slices=1),
+                                   faults=[Fault("remove_node", 1, 5)], remove_node=cluster.remove_node)
+    detected = [e for e in events if e["event"] == "detected"]
+    assert detected and detected[0]["kind"] in ("node_died", "process_died"), detected
+    caught = [e for e in events if e["event"] == "diloco_caught_up"]
+    assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
+    assert _equal(trainer, free[0])

@@ -246,13 +246,30 @@ class RayBackend:
         return len(past)
 
     def round_states(self, slices: Sequence[int]) -> dict:
-        """slice -> a copy of its state now (a tuple, one per host, under a
-        sharded layout), owned by the driver: a replica's round start.
-        Made on the `compute` thread, between inner steps."""
-        def copy(w):
-            return w.flat_state.options(concurrency_group="compute").remote()
-        return {s: tuple(copy(w) for w in self._up[s].workers) if self._up[s].per_host
-                else copy(self._up[s].workers[0]) for s in slices}
+        """slice -> copies of its state now, each (ref, the nodes it lies
+        on): the slice's own (a tuple of refs, one per host, under a
+        sharded layout), made on the `compute` thread between inner
+        steps, and one on the next slice's nodes (host i on host i), so a
+        replica's round start outlives its node. Owned by the driver."""
+        def own(s):
+            sl = self._up[s]
+            refs = [w.flat_state.options(concurrency_group="compute").remote() for w in sl.workers[:len(sl.workers) if sl.per_host else 1]]
+            return tuple(refs) if sl.per_host else refs[0]
+
+        order = sorted(slices)
+        out = {}
+        for i, s in enumerate(order):
+            ref = own(s)
+            copies = [(ref, tuple(h["node_id"] for h in self.hosts(s)))]
+            if len(order) > 1:
+                nxt = self._up[order[(i + 1) % len(order)]]
+                parts = ref if isinstance(ref, tuple) else (ref,)
+                held = tuple(nxt.workers[h].hold_copy.options(concurrency_group="snapshot").remote(part)
+                             for h, part in enumerate(parts))
+                copies.append((held if isinstance(ref, tuple) else held[0],
+                               tuple(h["node_id"] for h in nxt.infos[:len(parts)])))
+            out[s] = copies
+        return out
 
     def catch_up(self, slice_id: int, donor: int, steps: range, shards: tuple, deadline_s: float) -> None:
         """A joiner that loaded a replica's round-start state takes the

@@ -31,7 +31,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.diloco_saves import DilocoCheckpoints
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.dispatch.outer_spec import OuterSpec
-from ray_elastic.errors import SliceFailure
+from ray_elastic.errors import RunFailed, SliceFailure
 
 __all__ = ["Rounds"]
 
@@ -69,14 +69,21 @@ class Rounds:
         """The DiLoCo run's saves (what the controller calls as it calls saves.py's); None without."""
         return self.checkpoints.bind(self, members) if self.checkpoints is not None else None
 
-    def round_state_refs(self) -> dict:
-        """replica -> its state's ref at the round's start (pause), as kept."""
-        return dict(self._round_states)
+    def round_state_refs(self, node_alive=lambda node: True) -> dict:
+        """replica -> a readable copy of its state at the round's start
+        (pause): the first whose nodes all live; replicas with none left out."""
+        out = {}
+        for r, copies in self._round_states.items():
+            ref = next((ref for ref, nodes in copies if all(node_alive(n) for n in nodes)), None)
+            if ref is not None:
+                out[r] = ref
+        return out
 
     def keep_round_states(self, by_replica: Mapping) -> None:
-        """Keep these replicas' states (refs) as their round-start states (pause)."""
+        """Keep these replicas' round-start states (pause): for each, its
+        copies as (ref, the nodes it lies on; none: the driver's)."""
         if self._policy == "pause":
-            self._round_states = dict(by_replica)
+            self._round_states = {r: list(copies) for r, copies in by_replica.items()}
 
     def shards_of(self, replica: int) -> tuple:
         return tuple(s for s in range(self._shards) if s % self._replicas_n == replica)
@@ -113,7 +120,7 @@ class Rounds:
                                                  if took is not None and len(took) < self._replicas_n else {}))
         self.round_start = step
         if step < self._steps and self._policy == "pause":  # the round's start, for a replacement to recompute from
-            self.keep_round_states({self.replicas[s]: ref for s, ref in members.backend.round_states(live).items()})
+            self.keep_round_states({self.replicas[s]: c for s, c in members.backend.round_states(live).items()})
 
     def restart(self, step: int) -> None:
         """The run went back to `step` with no live slice (a fresh start)."""
@@ -143,9 +150,14 @@ class Rounds:
             undone = backend.undo_sync(live, self.round_start, deadline_s)
             if undone:
                 self._emit("diloco_sync_undone", step=self.round_start, hosts=undone)
+            starts = self.round_state_refs(backend.node_alive)
             for s, r in taken.items():
-                start: Optional[object] = self._round_states.get(r)
-                source = StateSource("snapshot", self.round_start, start) if start is not None else StateSource("initial", 0)
+                if self.round_start > 0 and r not in starts:
+                    raise RunFailed(f"replica {r}'s state of the round's start (step {self.round_start}) was lost "
+                                    "with its node and the node of its copy: its inner steps of the round cannot be "
+                                    "recomputed. Use policy='resize' where nodes are lost this often",
+                                    setting="policy")
+                source = StateSource("snapshot", self.round_start, starts[r]) if r in starts else StateSource("initial", 0)
                 if not members.join([s], source):
                     return False
                 self.replicas[s] = r

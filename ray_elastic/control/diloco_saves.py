@@ -144,7 +144,7 @@ class DilocoCheckpoints:
             replicas[_key(rounds.replicas[s])] = self._whole(fetch(backend.state(s)), inner_t)
         outer = self._whole(fetch(backend.outer_copy(live[0])), outer_t)
         state = {"global": outer["params"], "outer": outer["opt_state"], "replicas": replicas}
-        starts = rounds.round_state_refs() if step != rounds.round_start else {}
+        starts = rounds.round_state_refs(backend.node_alive) if step != rounds.round_start else {}
         if starts:
             state["round_start_opt"] = {_key(r): self._whole(fetch(ref), inner_t)["opt_state"] for r, ref in starts.items()}
         meta = {**self._facts, "step": step, "diloco": {
@@ -183,9 +183,9 @@ class DilocoCheckpoints:
         live = sorted(self.members.live)
         backend.load_outer(live, WholeState(rounds.round_start, state["global"], state["outer"]), timeout_s)
         if step == rounds.round_start:
-            rounds.keep_round_states({replicas[s]: ref for s, ref in backend.round_states(live).items()})
+            rounds.keep_round_states({replicas[s]: c for s, c in backend.round_states(live).items()})
         elif "round_start_opt" in state:
-            rounds.keep_round_states({int(k[1:]): backend.put(WholeState(rounds.round_start, state["global"], opt))
+            rounds.keep_round_states({int(k[1:]): [(backend.put(WholeState(rounds.round_start, state["global"], opt)), ())]
                                       for k, opt in state["round_start_opt"].items()})
         self._last_saved = step
         return step

@@ -324,6 +324,12 @@ class SliceWorker:
         with self._held.lock:
             return self._steps.outer_apply(boundary, parts, spec)
 
+    def hold_copy(self, value: Any) -> Any:
+        """`value` (another slice's state, a ref Ray fetched here) back:
+        the reply is a copy in this host's node's object store, owned by
+        the driver, that outlives the node `value` came from."""
+        return value
+
     def diloco_synced(self, undo_past: Optional[int] = None) -> int:
         """The last round boundary this host synchronized at (0: none yet);
         with `undo_past`, an outer step past that boundary is taken back
