@@ -125,7 +125,7 @@ def test_pause_with_a_spare_recomputes_the_round(nodes, free, lm_factory):
     recovered = [e for e in events if e["event"] == "recovered"]
     assert recovered and recovered[0]["steps_rewound"] == 0
     assert _equal(trainer, free[0])
-    # Step 5's loss is reported when the survivors finish it: replica 0's alone.
+    # Step 5's loss is reported when the survivors finish it: their mean, replica 0's alone.
     assert report.losses[:5] + report.losses[6:] == free[1].losses[:5] + free[1].losses[6:]
 
 

@@ -21,7 +21,7 @@ from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, sh
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
 from ray_elastic.dispatch.calls import Call, Deadline
-from ray_elastic.dispatch.diloco_runner import DilocoRunner
+from ray_elastic.dispatch.diloco_runner import DilocoRunner, replica_mean
 from ray_elastic.dispatch.exchange import ExchangeSpec
 from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.dispatch.step_runner import StepResult, StepRunner
@@ -285,7 +285,10 @@ class RayBackend:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)
 
     def applied(self, step: int, slices: Sequence[int]) -> Optional[StepResult]:
-        return self.runner.applied(step, self._live(slices))
+        done = self.runner.applied(step, self._live(slices))
+        if done is not None and self.diloco is not None:  # the loss averaged over the replicas that took the step
+            done = StepResult(replica_mean(done.metrics, {s: s for s in slices}), {})
+        return done
 
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         self.runner.drop_ahead()
