@@ -87,6 +87,9 @@ def add_shared_options(parser: argparse.ArgumentParser, steps: int, timeout_s: f
     opt("--diloco", type=positive_int, default=None, metavar="H",
         help="enable_diloco with diloco_sync_period H: each slice a replica that trains alone and the replicas "
         "synchronize every H steps (docs/diloco.md) (default: off, a gradient exchange every step)")
+    opt("--diloco-fragments", type=positive_int, default=None, metavar="P",
+        help="with --diloco: Streaming DiLoCo (enable_streaming_diloco, num_diloco_fragments P): the params cut "
+        "into P fragments, one synchronized every H/P steps in turn (default: off)")
     opt("--steps", type=positive_int, default=steps, help="training steps (default: %(default)s)")
     opt("--timeout", type=float, default=timeout_s,
         help="timeout_s: seconds to wait for a replacement before failing (default: %(default)s)")
@@ -163,6 +166,8 @@ def elastic_config(args: argparse.Namespace, spec, **more):
         step_deadline_floor_s=args.hang_floor,
         spare_slices=args.spare_slices,
         **({"enable_diloco": True, "diloco_sync_period": args.diloco} if getattr(args, "diloco", None) else {}),
+        **({"enable_streaming_diloco": True, "num_diloco_fragments": args.diloco_fragments}
+           if getattr(args, "diloco_fragments", None) else {}),
         **more,
     )
 

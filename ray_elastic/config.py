@@ -301,6 +301,15 @@ class ElasticConfig:
         own shards, synchronized every diloco_sync_period steps by an outer
         Nesterov step over the replicas' mean delta (docs/diloco.md). The
         checks that compare replicas and the per-step snapshots are off.
+    enable_streaming_diloco, num_diloco_fragments,
+        num_communication_overlapping_steps, communication_overlapping_alpha:
+        Streaming DiLoCo, by MaxText's names (False, 4, 0, 0.0): the params
+        cut into num_diloco_fragments fragments of about equal bytes (whole
+        leaves, in the tree's order), one fragment synchronized every
+        round(diloco_sync_period / num_diloco_fragments) steps in turn; the
+        new global fragment reaches the replicas
+        num_communication_overlapping_steps steps later, mixed as
+        alpha * inner + (1 - alpha) * global (docs/diloco.md).
     """
 
     num_slices: int = 2
@@ -334,6 +343,10 @@ class ElasticConfig:
     diloco_sync_period: int = 36
     diloco_outer_lr: float = 0.3
     diloco_outer_momentum: float = 0.9
+    enable_streaming_diloco: bool = False
+    num_diloco_fragments: int = 4
+    num_communication_overlapping_steps: int = 0
+    communication_overlapping_alpha: float = 0.0
 
     def __post_init__(self):
         _positive_int("num_slices", self.num_slices)
@@ -440,6 +453,7 @@ class ElasticConfig:
             raise ConfigError("diloco_outer_lr", f"must be > 0, got {self.diloco_outer_lr!r}")
         if not _number(self.diloco_outer_momentum) or not 0 <= self.diloco_outer_momentum < 1:
             raise ConfigError("diloco_outer_momentum", f"must be in [0, 1), got {self.diloco_outer_momentum!r}")
+        self._check_streaming()
         if not self.enable_diloco:
             return
         if self.slices_per_leader or self.exchange != "reduce_scatter" or self.exchange_dtype is not None:
@@ -453,6 +467,32 @@ class ElasticConfig:
         # any replica, do not apply (docs/diloco.md).
         for name in ("state_check_every", "grad_check_every", "snapshot_every"):
             object.__setattr__(self, name, 0)
+
+    def _check_streaming(self) -> None:
+        if not isinstance(self.enable_streaming_diloco, bool):
+            raise ConfigError("enable_streaming_diloco", f"must be True or False, got {self.enable_streaming_diloco!r}")
+        _positive_int("num_diloco_fragments", self.num_diloco_fragments)
+        v = self.num_communication_overlapping_steps
+        if not _count(v) or v < 0:
+            raise ConfigError("num_communication_overlapping_steps", f"must be an integer >= 0, got {v!r}")
+        a = self.communication_overlapping_alpha
+        if not _number(a) or not 0 <= a < 1:
+            raise ConfigError("communication_overlapping_alpha", f"must be in [0, 1), got {a!r}")
+        if not self.enable_streaming_diloco:
+            return
+        if not self.enable_diloco:
+            raise ConfigError("enable_streaming_diloco", "Streaming DiLoCo is a form of DiLoCo: set enable_diloco=True "
+                              "too, or enable_streaming_diloco=False")
+        period = self.num_diloco_fragments * self.diloco_fragment_every
+        if v >= period:
+            raise ConfigError("num_communication_overlapping_steps", f"a fragment's new global params must reach the "
+                              f"replicas before it synchronizes again, every {period} steps here; got {v}")
+
+    @property
+    def diloco_fragment_every(self) -> int:
+        """Streaming DiLoCo: steps between two fragments' synchronizations
+        (MaxText's round(diloco_sync_period / num_diloco_fragments), at least 1)."""
+        return max(1, int(round(self.diloco_sync_period / self.num_diloco_fragments)))
 
     @property
     def shards(self) -> int:

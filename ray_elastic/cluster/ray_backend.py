@@ -204,15 +204,19 @@ class RayBackend:
         return self.diloco.inner(step, live, assignment, replicas, deadline_s, on_issued)
 
     def synchronize(self, boundary: int, since: int, slices: Sequence[int], replicas: Mapping[int, int],
-                    deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None) -> tuple:
+                    deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None,
+                    fragment: Optional[int] = None) -> tuple:
         live = self._live(slices)
         self.locator.started(live, boundary)
-        return self.diloco.synchronize(boundary, since, live, replicas, deadline_s, on_issued)
+        return self.diloco.synchronize(boundary, since, live, replicas, deadline_s, on_issued, fragment)
 
     def adopt(self, slices: Sequence[int], donor: int, boundary: int, deadline_s: float) -> None:
-        """`slices` take `donor`'s global params and outer state (a joiner at a round's start)."""
+        """`slices` take `donor`'s global params and outer state (a joiner
+        at a round's start, which loaded the donor's state: under Streaming
+        DiLoCo its params are the donor's own, not the global ones)."""
         live = self._live([*slices, donor])
-        self.diloco.adopt(list(slices), donor, live, boundary, Deadline.after(self._clock(), deadline_s))
+        self.diloco.adopt(list(slices), donor, live, boundary, Deadline.after(self._clock(), deadline_s),
+                          None if self.diloco.spec.streaming else "all")
 
     def put(self, value: Any) -> Any:
         """`value` in the object store, owned by the driver (on its node)."""
@@ -278,7 +282,9 @@ class RayBackend:
         `steps`, each after the last."""
         live = self._live([slice_id, donor])
         wait = Deadline.after(self._clock(), deadline_s)
-        self.diloco.adopt([slice_id], donor, live, steps.start, wait)
+        # Its params are the round-start state's (under Streaming DiLoCo
+        # not the global ones: only a fragment synchronized then).
+        self.diloco.adopt([slice_id], donor, live, steps.start, wait, None if self.diloco.spec.streaming else "all")
         self.diloco.catch_up(slice_id, live, steps, shards, wait)
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:

@@ -43,7 +43,9 @@ class Rounds:
     def __init__(self, config: ElasticConfig, steps: int, emit=lambda name, **fields: None,
                  checkpoint: Optional[CheckpointConfig] = None, injector=None):
         self.on = config.enable_diloco
-        self._period = config.diloco_sync_period
+        self._spec = OuterSpec.of(config)
+        # Streaming DiLoCo synchronizes one fragment every `every` steps.
+        self._period = self._spec.every if self._spec.streaming else config.diloco_sync_period
         self._replicas_n = config.num_slices
         self._shards = config.shards
         self._sync_deadline_s = config.first_step_deadline_s
@@ -57,9 +59,9 @@ class Rounds:
         # Durable checkpoints (diloco_saves.py), with a CheckpointConfig.
         self.checkpoints = None
         if self.on and checkpoint is not None:
-            spec = OuterSpec(config.diloco_outer_lr, config.diloco_outer_momentum)
-            self.checkpoints = DilocoCheckpoints(checkpoint, {**config.run_facts(), "num_replicas": config.num_slices},
-                                                 spec, steps, config.policy, emit)
+            self.checkpoints = DilocoCheckpoints(checkpoint, {**config.run_facts(), "num_replicas": config.num_slices,
+                                                              "num_diloco_fragments": self._spec.fragments},
+                                                 self._spec, steps, config.policy, emit)
 
     def preflight(self) -> Optional[int]:
         """The step a DiLoCo run resumes from (its storage checked first); None without checkpoints."""
@@ -113,10 +115,13 @@ class Rounds:
                 self._emit("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host,
                            step=step, phase=phase)
 
+        # Streaming: this step's fragment; the run's last synchronization takes them all.
+        fragment = self._spec.synced_after(step) if step < self._steps else None
         took, moved = members.backend.synchronize(step, self.round_start, live, self.replica_map(live),
-                                                  max(deadline_s, self._sync_deadline_s), fire)
+                                                  max(deadline_s, self._sync_deadline_s), fire,
+                                                  **({"fragment": fragment} if fragment is not None else {}))
         self._emit("diloco_sync", step=step, replicas=took if took is not None else "adopted", slices=live,
-                   bytes_across_slices=moved, **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
+                   bytes_across_slices=moved, **({"fragment": fragment} if fragment is not None else {}), **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
                                                  if took is not None and len(took) < self._replicas_n else {}))
         self.round_start = step
         if step < self._steps and self._policy == "pause":  # the round's start, for a replacement to recompute from
@@ -139,7 +144,7 @@ class Rounds:
         donor = min(live, key=lambda s: replicas[s])  # the live replica with the lowest id
         backend = members.backend
         try:
-            if self._policy != "pause":  # resize: at a round's start, the donor's params are the global params
+            if self._policy != "pause":  # resize: at a round's start, from the donor's state (its params: the global ones but under streaming)
                 if not members.join(list(taken), StateSource("live", step, backend.state(donor))):
                     return False
                 self.replicas.update(taken)

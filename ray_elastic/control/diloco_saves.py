@@ -6,7 +6,9 @@ One step holds everything a round needs to go on exactly: the global
 params and the outer optimizer state, every live replica's inner params
 and optimizer state, and (under pause, mid-round) each replica's inner
 optimizer state of the round's start, from which a replacement recomputes
-the round (its params then were the global params). The meta records the
+the round (its params then were the global params; under Streaming
+DiLoCo, where a round starts at each fragment's synchronization and the
+replicas' other leaves are their own, its params too). The meta records the
 round's start and the replicas, beside the run facts a resumed run must
 share (seed, batch_shards, the replica count).
 
@@ -146,7 +148,10 @@ class DilocoCheckpoints:
         state = {"global": outer["params"], "outer": outer["opt_state"], "replicas": replicas}
         starts = rounds.round_state_refs(backend.node_alive) if step != rounds.round_start else {}
         if starts:
-            state["round_start_opt"] = {_key(r): self._whole(fetch(ref), inner_t)["opt_state"] for r, ref in starts.items()}
+            whole = {r: self._whole(fetch(ref), inner_t) for r, ref in starts.items()}
+            state["round_start_opt"] = {_key(r): w["opt_state"] for r, w in whole.items()}
+            if self._spec.streaming:
+                state["round_start_params"] = {_key(r): w["params"] for r, w in whole.items()}
         meta = {**self._facts, "step": step, "diloco": {
             "round_start": rounds.round_start, "replicas": sorted(rounds.replicas[s] for s in live),
             "num_replicas": self._facts["num_replicas"], "round_start_states": sorted(starts)}}
@@ -168,6 +173,8 @@ class DilocoCheckpoints:
                     "replicas": {_key(r): inner_t for r in saved}}
         if meta.get("round_start_states"):
             template["round_start_opt"] = {_key(r): inner_t["opt_state"] for r in meta["round_start_states"]}
+            if self._spec.streaming:
+                template["round_start_params"] = {_key(r): inner_t["params"] for r in meta["round_start_states"]}
         state, _ = self._store.restore(step, template)
         rounds.round_start = int(meta["round_start"])
         replicas = rounds.replica_map(live)
@@ -185,7 +192,9 @@ class DilocoCheckpoints:
         if step == rounds.round_start:
             rounds.keep_round_states({replicas[s]: c for s, c in backend.round_states(live).items()})
         elif "round_start_opt" in state:
-            rounds.keep_round_states({int(k[1:]): [(backend.put(WholeState(rounds.round_start, state["global"], opt)), ())]
+            params = state.get("round_start_params", {})
+            rounds.keep_round_states({int(k[1:]): [(backend.put(WholeState(rounds.round_start, params.get(k, state["global"]),
+                                                                           opt)), ())]
                                       for k, opt in state["round_start_opt"].items()})
         self._last_saved = step
         return step

@@ -17,7 +17,7 @@ from ray_elastic.control.memory_plan import HostNeeds, check_fits, host_needs, t
 from ray_elastic.errors import ConfigError
 from ray_elastic.program import TrainProgram
 
-__all__ = ["check_program", "preflight", "state_needs"]
+__all__ = ["check_fragments", "check_program", "preflight", "state_needs"]
 
 
 def preflight(factory: Callable[[], TrainProgram], config: ElasticConfig, steps: int) -> Optional[HostNeeds]:
@@ -29,10 +29,27 @@ def preflight(factory: Callable[[], TrainProgram], config: ElasticConfig, steps:
     if c.enable_diloco and program.has_model_state:
         raise ConfigError("enable_diloco", "DiLoCo runs of a program with a model state (init_model_state) are "
                           "not supported yet; set enable_diloco=False")
+    if c.enable_streaming_diloco:
+        check_fragments(program, c)
     needs = state_needs(program, c)
     if needs is not None:
         check_fits(needs, (c.num_slices + c.spare_slices) * len(c.slice.bundles()), machines())
     return needs
+
+
+def check_fragments(program: TrainProgram, config: ElasticConfig) -> None:
+    """Streaming DiLoCo cuts the params into fragments of whole leaves:
+    no more fragments than leaves."""
+    import jax
+
+    try:
+        leaves = len(jax.tree.leaves(jax.eval_shape(program.init_params, jax.random.PRNGKey(config.seed))))
+    except Exception:  # an init that needs concrete values: the workers' own check says it
+        return
+    if config.num_diloco_fragments > leaves:
+        raise ConfigError("num_diloco_fragments", f"a fragment is one or more whole leaves of the params, and this "
+                          f"program's params have {leaves}: set num_diloco_fragments to at most {leaves}, "
+                          f"got {config.num_diloco_fragments}")
 
 
 def state_needs(program: TrainProgram, config: ElasticConfig) -> Optional[HostNeeds]:

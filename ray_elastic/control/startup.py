@@ -33,7 +33,7 @@ def ray_backend(factory: Callable, config: ElasticConfig, steps: int, run_name: 
         grad_check_every=c.grad_check_every, final_step=steps,
         exchange=(c.exchange, c.exchange_dtype, (facts or c.run_facts())["exchange_blocks"]),
         keep_workers=c.keep_workers,
-        diloco=OuterSpec(c.diloco_outer_lr, c.diloco_outer_momentum) if c.enable_diloco else None), needs
+        diloco=OuterSpec.of(c) if c.enable_diloco else None), needs
 
 
 def start_timeout(config: ElasticConfig, ready: Iterable[int], placed: Callable[[int], bool],

@@ -12,7 +12,7 @@ replicas that took part. Failures surface as the StepRunner's
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 
@@ -71,10 +71,11 @@ class DilocoRunner:
         return StepResult(replica_mean(out, replicas), {})
 
     def synchronize(self, boundary: int, since: int, live: Mapping, replicas: Mapping[int, int],
-                    deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None) -> tuple:
+                    deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None,
+                    fragment: Optional[int] = None) -> tuple:
         """The outer step at `boundary` over the live replicas' deltas
         (`since`: the round's start, the boundary they last synchronized
-        at). A failure cut the last try short after some hosts' applies
+        at), of Streaming DiLoCo's `fragment` alone if given. A failure cut the last try short after some hosts' applies
         had every input: where whole slices applied it, the others take
         their global params instead of exchanging again; where only some
         hosts did, theirs is taken back and the exchange runs again.
@@ -88,7 +89,9 @@ class DilocoRunner:
         done = [s for s in order if all(synced[(s, h)] == boundary for h in range(len(live[s].workers)))]
         if done:
             behind = [s for s in order if s not in done]
-            self.adopt(behind, min(done, key=lambda s: replicas[s]), live, boundary, wait)
+            # They take in what the others' outer step gave the replicas.
+            take = "all" if fragment is None else (None if self.spec.overlap else fragment)
+            self.adopt(behind, min(done, key=lambda s: replicas[s]), live, boundary, wait, take)
             return None, 0
         if any(v != since for v in synced.values()):
             self._on_hosts(live, order, boundary, wait, lambda w: w.diloco_synced.remote(since))
@@ -102,7 +105,7 @@ class DilocoRunner:
                 for h, w in enumerate(live[s].workers):
                     def call(w=w, s=s, h=h):
                         status, *chunks = w.diloco_delta.options(num_returns=1 + plan.chunks, concurrency_group="compute").remote(
-                            boundary, replicas[s], plan, self.spec)
+                            boundary, replicas[s], plan, self.spec, fragment)
                         payloads.setdefault(s, {})[h] = tuple(chunks)
                         return status
                     deltas.append(Call(s, h, call(), call, lambda s=s, h=h: payloads[s][h]))
@@ -118,7 +121,7 @@ class DilocoRunner:
                 for h, w in enumerate(live[s].workers):
                     def apply(w=w, h=h, own=own):
                         return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])),
-                                                     self.runner.epoch)
+                                                     self.runner.epoch, fragment)
                     applies.append(Call(s, h, apply(), apply))
             issued += applies
             on_issued("sync")  # where injected faults of phase "sync" fire
@@ -149,15 +152,17 @@ class DilocoRunner:
         calls = [Call(s, h, fn(w), lambda w=w: fn(w)) for s in order for h, w in enumerate(live[s].workers)]
         return self.runner.gather(calls, k, wait, live)
 
-    def adopt(self, slices: Sequence[int], donor: int, live: Mapping, boundary: int, wait: Deadline) -> None:
+    def adopt(self, slices: Sequence[int], donor: int, live: Mapping, boundary: int, wait: Deadline,
+              take: Any = "all") -> None:
         """`slices` take `donor`'s global params and outer state (host i
-        from host i) and continue from them; each keeps its inner
+        from host i) and `take` of its global params (steps.py's
+        adopt_outer: "all", a fragment, or None); each keeps its inner
         optimizer state."""
         calls = []
         for s in slices:
             for h, w in enumerate(live[s].workers):
                 def call(w=w, h=h):
-                    return w.diloco_adopt.remote(live[donor].workers[h].diloco_global.remote(self.spec), self.spec)
+                    return w.diloco_adopt.remote(live[donor].workers[h].diloco_global.remote(self.spec), self.spec, take)
                 calls.append(Call(s, h, call(), call))
         self.runner.gather(calls, boundary, wait, live)
 

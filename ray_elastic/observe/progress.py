@@ -168,7 +168,8 @@ class ProgressCallback(Callback):
                 important = True
                 self._synced_bytes += int(e.get("bytes_across_slices") or 0)
                 lost = f", replica(s) {e['lost']} left this round" if e.get("lost") else ""
-                lines.append(f"[{t:8.2f} s] step {e.get('step')}: DiLoCo replicas {e.get('replicas')} synchronized, "
+                frag = f" fragment {e['fragment']}" if e.get("fragment") is not None else ""
+                lines.append(f"[{t:8.2f} s] step {e.get('step')}: DiLoCo replicas {e.get('replicas')} synchronized{frag}, "
                              f"{_mb(e.get('bytes_across_slices'))} across slices ({_mb(self._synced_bytes)} in all){lost}")
             elif name == "diloco_sync_undone":
                 important = True

@@ -311,18 +311,21 @@ class SliceWorker:
         metrics["gc_pause_s"], metrics["gc_full"] = self._gc.take()
         return metrics
 
-    def diloco_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec) -> tuple:
+    def diloco_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec,
+                     fragment: Optional[int] = None) -> tuple:
         """(status, chunk 0, ..., chunk n-1): this replica's delta from the
-        round's global params, cut for the exchange's owners."""
+        round's global params (Streaming DiLoCo's `fragment` of it, if
+        given), cut for the exchange's owners."""
         with self._held.lock:
-            return self._steps.outer_delta(boundary, replica, plan, spec)
+            return self._steps.outer_delta(boundary, replica, plan, spec, fragment)
 
-    def diloco_outer(self, boundary: int, spec: OuterSpec, parts: list, epoch: int = 0) -> dict:
+    def diloco_outer(self, boundary: int, spec: OuterSpec, parts: list, epoch: int = 0,
+                     fragment: Optional[int] = None) -> dict:
         """The outer step at `boundary` over the owners' sums in `parts`
         (refs, fetched here); idempotent for a boundary already synchronized."""
         parts = self._inputs(parts, epoch, boundary)
         with self._held.lock:
-            return self._steps.outer_apply(boundary, parts, spec)
+            return self._steps.outer_apply(boundary, parts, spec, fragment)
 
     def hold_copy(self, value: Any) -> Any:
         """`value` (another slice's state, a ref Ray fetched here) back:
@@ -349,12 +352,13 @@ class SliceWorker:
         with self._held.lock:
             return self._steps.load_outer(copy, spec)
 
-    def diloco_adopt(self, copy: WholeState | HostBlocks, spec: OuterSpec) -> int:
+    def diloco_adopt(self, copy: WholeState | HostBlocks, spec: OuterSpec, take: Any = "all") -> int:
         """Hold another replica's global params and outer state
-        (`diloco_global`'s) and continue from its global params, keeping
-        this replica's inner optimizer state. Returns their boundary."""
+        (`diloco_global`'s) and take in `take` of its global params
+        (steps.py's adopt_outer), keeping this replica's inner optimizer
+        state. Returns their boundary."""
         with self._held.lock:
-            return self._steps.adopt_outer(copy, spec)
+            return self._steps.adopt_outer(copy, spec, take)
 
     def snapshot(self, step: int, *after: Any) -> tuple[dict, FlatState | HostBlocks]:
         """(status, state): the snapshot of the state after step `step`

@@ -8,6 +8,12 @@ the mean of the replicas' deltas is the pseudo-gradient the outer
 optimizer applies to the global params, and every replica continues from
 the new global params with its own inner optimizer state.
 
+Streaming DiLoCo does the same for one fragment of the params at a time
+(a run of whole leaves, dispatch/outer_spec.py): the delta, the outer
+step and its state are those leaves' alone, and the replica takes the new
+global leaves in, mixed with its own by `alpha`, at the synchronization
+or `overlap` inner steps later (`mix`).
+
 The arrays lie like the params (replicated, or this host's blocks under a
 sharded layout); `host_copy` / `load` move them between processes as the
 params' gradients move: whole host arrays, or this host's blocks.
@@ -63,28 +69,73 @@ class OuterState:
 
             self._spec = spec
             self._fns = (jax.jit(lambda g, p: jax.tree.map(lambda a, b: a - b, g, p)), jax.jit(outer),
-                         jax.jit(lambda t: jax.tree.map(lambda a: jax.numpy.array(a, copy=True), t)), jax.jit(opt.init))
+                         jax.jit(lambda t: jax.tree.map(lambda a: jax.numpy.array(a, copy=True), t)), jax.jit(opt.init),
+                         jax.jit(lambda inner, g: [spec.alpha * a + (1 - spec.alpha) * b if spec.alpha else
+                                                   jax.numpy.array(b, copy=True) for a, b in zip(inner, g)]))
         return self._fns
 
     def start(self, params: Any, spec: OuterSpec, step: int) -> None:
         """The round that starts at `step` (0: the run's first) from `params`."""
-        _, _, copy, init = self._jitted(spec)
+        _, _, copy, init, _ = self._jitted(spec)
         self.global_params = copy(params)  # the inner update donates the params it reads
         self.state = init(self.global_params)
         self.synced = step
 
-    def delta(self, params: Any, spec: OuterSpec) -> Any:
-        """global - params: this replica's share of the pseudo-gradient."""
-        return self._jitted(spec)[0](self.global_params, params)
+    def delta(self, params: Any, spec: OuterSpec, leaves: Optional[tuple] = None) -> Any:
+        """global - params: this replica's share of the pseudo-gradient;
+        with `leaves` (a fragment), {leaf index: its delta} of those alone."""
+        import jax
 
-    def apply(self, mean_delta: Any, spec: OuterSpec, boundary: int, params: Any) -> Any:
+        if leaves is None:
+            return self._jitted(spec)[0](self.global_params, params)
+        g, p = jax.tree.leaves(self.global_params), jax.tree.leaves(params)
+        return dict(zip(leaves, self._jitted(spec)[0]([g[i] for i in leaves], [p[i] for i in leaves])))
+
+    def _apply_fragment(self, mean: dict, spec: OuterSpec) -> None:
+        """The outer step over the leaves of `mean` ({leaf index: mean
+        delta}) alone, with their share of the outer state: the optimizer
+        is elementwise, each state leaf mirrors a param's (SGD's trace)."""
+        import jax
+
+        leaves = tuple(sorted(mean))
+        g, g_def = jax.tree.flatten(self.global_params)
+        o, o_def = jax.tree.flatten(self.state)
+        per = len(o) // len(g)  # state leaves per param leaf, in blocks of the params' order
+        sub_def = jax.tree.structure(jax.eval_shape(spec.optimizer().init, [g[i] for i in leaves]))
+        sub_state = jax.tree.unflatten(sub_def, [o[j * len(g) + i] for j in range(per) for i in leaves])
+        new_g, new_o = self._jitted(spec)[1]([g[i] for i in leaves], sub_state, [mean[i] for i in leaves])
+        new_o = jax.tree.leaves(new_o)
+        for n, i in enumerate(leaves):
+            g[i] = new_g[n]
+            for j in range(per):
+                o[j * len(g) + i] = new_o[j * len(leaves) + n]
+        self.global_params, self.state = jax.tree.unflatten(g_def, g), jax.tree.unflatten(o_def, o)
+
+    def mix(self, params: Any, spec: OuterSpec, leaves: tuple) -> Any:
+        """`params` with the global params' `leaves` taken in:
+        alpha * inner + (1 - alpha) * global (alpha 0: the global leaves)."""
+        import jax
+
+        p, p_def = jax.tree.flatten(params)
+        g = jax.tree.leaves(self.global_params)
+        for i, a in zip(leaves, self._jitted(spec)[4]([p[i] for i in leaves], [g[i] for i in leaves])):
+            p[i] = a
+        return jax.tree.unflatten(p_def, p)
+
+    def apply(self, mean_delta: Any, spec: OuterSpec, boundary: int, params: Any, fragment: bool = False) -> Any:
         """The outer step with the replicas' mean delta, over this replica's
         `params`; returns the params every replica continues from (a copy
-        of the new global params)."""
-        _, outer, copy, _ = self._jitted(spec)
+        of the new global params). A fragment's step (`fragment`:
+        `mean_delta` is {leaf index: mean delta}) moves those leaves alone, and the
+        replica's own leaves stay but for the fragment's, mixed in now
+        unless they are due `overlap` steps later."""
+        _, outer, copy, _, _ = self._jitted(spec)
         self._before = (self.global_params, self.state, self.synced, params)
-        self.global_params, self.state = outer(self.global_params, self.state, mean_delta)
         self.synced = boundary
+        if fragment:
+            self._apply_fragment(mean_delta, spec)
+            return params if spec.overlap else self.mix(params, spec, tuple(sorted(mean_delta)))
+        self.global_params, self.state = outer(self.global_params, self.state, mean_delta)
         return copy(self.global_params)
 
     def undo(self, to: int) -> Optional[Any]:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.worker.batches import BatchReader
-from ray_elastic.dispatch.outer_spec import OuterSpec
+from ray_elastic.dispatch.outer_spec import OuterSpec, fragment_leaves
 from ray_elastic.worker.diloco import OuterState
 from ray_elastic.worker.chunks import SCALARS, assemble, cut, pieces, sum_chunk, wire
 from ray_elastic.worker.exchange_stats import ExchangeStats
@@ -79,6 +79,7 @@ class SliceSteps:
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
         self._template = None  # the gradient's treedef and leaves (shape, dtype), as a host sends it
+        self._fragments: Optional[tuple] = None  # Streaming DiLoCo: (fragment count, each one's leaf indices)
         self.outer = OuterState(layout, host)  # DiLoCo's global params and outer optimizer state (diloco.py)
 
     def close(self) -> None:
@@ -221,14 +222,15 @@ class SliceSteps:
         taken = self._exchange.reduced(parts, time.perf_counter() - t0)
         return {"count": summed["count"], "bytes_in": taken}, summed
 
-    def _gathered(self, sums: tuple) -> dict:
+    def _gathered(self, sums: tuple, template: Optional[tuple] = None) -> dict:
         """The step's summed gradient from the owners' chunk sums, as
-        reduce_pieces would give it (its tree, model state, scalars)."""
+        reduce_pieces would give it (its tree, model state, scalars); of
+        `template`'s form (`_grad_template`'s) where given."""
         import jax
 
         if self._template is None:
             self._template = self._grad_template()
-        specs, treedef = self._template  # jax.tree.flatten's (leaves, treedef)
+        specs, treedef = template or self._template  # jax.tree.flatten's (leaves, treedef)
         if "pieces" in sums[0]:  # the sources' own chunks: one live slice, no owner summed them
             by_chunk: dict = {}
             for p in sums:
@@ -360,6 +362,9 @@ class SliceSteps:
         if not self.outer.started:  # the run's first round starts from the step-0 state
             self.outer.start(held.params, spec, step)
         self.outer.settled()
+        due = spec.mixed_before(step)  # Streaming DiLoCo: a fragment synchronized `overlap` steps ago
+        if due is not None:
+            held.params = self.outer.mix(held.params, spec, self._fragment(spec, due))
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -392,29 +397,47 @@ class SliceSteps:
         held.last_apply = metrics
         return metrics
 
-    def outer_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec) -> tuple:
+    def outer_delta(self, boundary: int, replica: int, plan: ExchangePlan, spec: OuterSpec,
+                    fragment: Optional[int] = None) -> tuple:
         """(status, chunk payloads) of this replica's delta at round
-        boundary `boundary`, keyed as shard `replica` with weight 1, so the
-        exchange sums the replicas' deltas in replica order and the outer
-        apply divides by their count."""
+        boundary `boundary` (of Streaming DiLoCo's `fragment` alone, if
+        given), keyed as shard `replica` with weight 1, so the exchange
+        sums the replicas' deltas in replica order and the outer apply
+        divides by their count."""
         import jax
 
         held, layout = self._held, self._layout
         if held.step != boundary:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
         speaks = layout.sharded or self._host == 0
-        d = self.outer.delta(held.params, spec)
+        leaves = self._fragment(spec, fragment)
+        d = self.outer.delta(held.params, spec, leaves)
         out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}}
         if speaks:
-            out["grads"][replica] = local_blocks(jax.tree.leaves(d)) if layout.sharded else jax.tree.map(_host_value, d)
+            if leaves is not None:  # {leaf index: delta}: the blocks keyed by the params' own leaf indices
+                out["grads"][replica] = ({(t, leaves[i], k): b for (t, i, k), b in local_blocks(list(d.values())).items()}
+                                         if layout.sharded else {i: _host_value(a) for i, a in d.items()})
+            else:
+                out["grads"][replica] = local_blocks(jax.tree.leaves(d)) if layout.sharded else jax.tree.map(_host_value, d)
             out["loss"][replica], out["weight"][replica], out["aux"][replica] = 0.0, 1.0, {}
         return self._chunks(plan, out, speaks)
 
-    def outer_apply(self, boundary: int, parts: tuple, spec: OuterSpec) -> dict:
+    def _fragment(self, spec: OuterSpec, fragment: Optional[int]) -> Optional[tuple]:
+        """The leaf indices of Streaming DiLoCo's `fragment` (None: every leaf)."""
+        if fragment is None:
+            return None
+        if self._fragments is None or self._fragments[0] != spec.fragments:
+            sizes = [math.prod(sp.shape) * np.dtype(sp.dtype).itemsize for sp in self._layout.param_specs]
+            self._fragments = (spec.fragments, fragment_leaves(sizes, spec.fragments))
+        return self._fragments[1][fragment]
+
+    def outer_apply(self, boundary: int, parts: tuple, spec: OuterSpec, fragment: Optional[int] = None) -> dict:
         """The outer step at `boundary` from the owners' sums of the
-        replicas' deltas in `parts`; the held params become the new global
-        params, the inner optimizer state stays. Idempotent for a boundary
-        already synchronized. The caller holds the state's lock."""
+        replicas' deltas in `parts` (of Streaming DiLoCo's `fragment`
+        alone, if given); the held params become the new global params
+        (the fragment's, mixed in, worker/diloco.py), the inner optimizer
+        state stays. Idempotent for a boundary already synchronized. The
+        caller holds the state's lock."""
         import jax
 
         held, layout = self._held, self._layout
@@ -423,25 +446,54 @@ class SliceSteps:
         if held.step != boundary:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
         t0 = time.perf_counter()
-        total = self._gathered(tuple(p for p in parts if p and "chunk" in p))
+        leaves = self._fragment(spec, fragment)
+        total = self._gathered(tuple(p for p in parts if p and "chunk" in p), self._fragment_template(leaves))
         count = math.fsum(total["weight"].values())
         mean = jax.tree.map(lambda a: divided(a, count), total["sum"])
-        if layout.sharded:
+        if leaves is not None and layout.sharded:
+            at = {i: n for n, i in enumerate(leaves)}
+            arrays = from_local_blocks({(t, at[i], k): b for (t, i, k), b in mean.items()},
+                                       [layout.param_specs[i] for i in leaves])
+            mean = dict(zip(leaves, arrays))
+        elif leaves is not None:
+            mean = {i: device_array(a, layout.replicated) for i, a in mean.items()}
+        elif layout.sharded:
             mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
         else:
             mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
-        held.params = self.outer.apply(mean, spec, boundary, held.params)
+        held.params = self.outer.apply(mean, spec, boundary, held.params, leaves is not None)
         held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
         taken = self._exchange.gathered(parts, time.perf_counter() - t0)
         return {"synced": boundary, "replicas": sorted(total["weight"]), "bytes_in": taken}
 
-    def adopt_outer(self, copy: dict, spec: OuterSpec) -> int:
-        """Hold another replica's global params and outer state and
-        continue from the global params (a joiner's, or a slice whose
-        synchronization was cut short). The caller holds the state's lock."""
+    def _fragment_template(self, leaves: Optional[tuple]) -> Optional[tuple]:
+        """The gradient template (`_grad_template`'s form) of a fragment's
+        delta, as outer_delta keys it; None: the whole params'."""
+        import jax
+
+        if leaves is None:
+            return None
+        if self._template is None:
+            self._template = self._grad_template()
+        specs, treedef = self._template
+        keyed = jax.tree.unflatten(treedef, specs)
+        if self._layout.sharded:
+            return jax.tree.flatten({k: v for k, v in keyed.items() if k[1] in leaves})
+        return jax.tree.flatten({i: specs[i] for i in leaves})
+
+    def adopt_outer(self, copy: dict, spec: OuterSpec, take: Any = "all") -> int:
+        """Hold another replica's global params and outer state and take
+        in `take` of its global params: "all" (continue from them), a
+        Streaming DiLoCo fragment (mixed in as at a synchronization), or
+        None (the held params stay: a joiner's state is loaded apart). A
+        joiner's, or a slice whose synchronization was cut short. The
+        caller holds the state's lock."""
         self._held.ensure()
         self.outer.load(copy, spec)
-        self._held.params = self.outer.global_copy(spec)
+        if take == "all":
+            self._held.params = self.outer.global_copy(spec)
+        elif take is not None:
+            self._held.params = self.outer.mix(self._held.params, spec, self._fragment(spec, take))
         self._held.generation += 1
         return self.outer.synced
 

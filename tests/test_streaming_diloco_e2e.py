@@ -1,0 +1,135 @@
+"""Streaming DiLoCo on a real local cluster: the params in 2 fragments,
+one synchronized every 2 steps in turn (diloco_sync_period 4), each new
+global fragment mixed into the replicas one step later with alpha 0.5,
+so every part of the schedule runs: runs that equal the plain loop of
+tests/diloco_reference.py, a replica killed mid-round under resize (the
+replacement joins at a fragment's synchronization with its donor's
+whole inner state) and under pause with a hot spare, and a cold start
+from a checkpoint written mid-round (both bitwise the failure-free run).
+
+Tolerances against the reference loop are test_diloco_e2e.py's, for
+the same reasons: the same float32 math as different XLA programs.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from ray_elastic import CheckpointConfig, CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from tests.diloco_reference import diloco_reference
+
+pytestmark = pytest.mark.cluster
+
+H, FRAGMENTS, OVERLAP, ALPHA = 4, 2, 1, 0.5
+EVERY = H // FRAGMENTS
+STEPS = 12
+LOSS_RTOL = 1e-5
+PARAM_ATOL = 2e-4
+
+
+def _config(**kw) -> ElasticConfig:
+    return ElasticConfig(enable_diloco=True, diloco_sync_period=H, enable_streaming_diloco=True,
+                         num_diloco_fragments=FRAGMENTS, num_communication_overlapping_steps=OVERLAP,
+                         communication_overlapping_alpha=ALPHA, straggler_factor=0, **kw)
+
+
+def _fit(factory, config, steps=STEPS, **kw):
+    events: list = []
+    trainer = ElasticTrainer(factory, config, steps, keep_final_state=True, on_event=events.append, **kw)
+    report = trainer.fit()
+    assert report.steps_completed == steps
+    return trainer, report, events
+
+
+def _reference(factory, steps=STEPS, **kw):
+    return diloco_reference(factory(), seed=0, shards=kw.pop("shards", 2), replicas=kw.pop("replicas", 2), steps=steps,
+                            period=H, fragments=FRAGMENTS, overlap=OVERLAP, alpha=ALPHA, **kw)
+
+
+def _close(trainer, report, reference) -> None:
+    params, losses = reference
+    np.testing.assert_allclose(report.losses, losses, rtol=LOSS_RTOL)
+    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
+
+
+def _equal(a, b) -> bool:
+    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.final_params()), jax.tree.leaves(b.final_params())))
+
+
+@pytest.fixture(scope="module")
+def free(cluster, lm_factory):
+    """The failure-free Streaming DiLoCo run of 2 replicas (one one-host slice each)."""
+    cluster.ensure_nodes(2)
+    return _fit(lm_factory, _config(num_slices=2))
+
+
+def test_two_replicas_equal_the_reference_loop(free, lm_factory):
+    """Fragments 1, 0, 1, ... synchronize at steps 2, 4, 6, ..., each
+    moving its own leaves' bytes only; the last step takes them all; the
+    run equals the plain loop."""
+    trainer, report, events = free
+    syncs = [e for e in events if e["event"] == "diloco_sync"]
+    assert [(e["step"], e.get("fragment")) for e in syncs] == [(2, 1), (4, 0), (6, 1), (8, 0), (10, 1), (12, None)]
+    whole = syncs[-1]["bytes_across_slices"]
+    parts = syncs[0]["bytes_across_slices"] + syncs[1]["bytes_across_slices"]
+    assert abs(parts - whole) <= 0.02 * whole and max(e["bytes_across_slices"] for e in syncs[:-1]) < 0.6 * whole
+    _close(trainer, report, _reference(lm_factory))
+
+
+def test_fsdp_slices_of_two_hosts(nodes):
+    """Each replica an fsdp-sharded slice of 2 hosts: a fragment's blocks
+    cross slices host by host, and the run equals the plain loop."""
+    import functools
+
+    import examples.lm as lm
+
+    nodes(4)
+    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
+    trainer, report, _ = _fit(factory, _config(num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=1)), steps=8)
+    _close(trainer, report, _reference(factory, steps=8))
+
+
+def test_resize_kill_mid_round(nodes, lm_factory):
+    """Replica 1 is killed in inner step 5: replica 0's fragments
+    synchronize alone until the replacement joins at a fragment's
+    synchronization with replica 0's whole inner state; the run equals
+    the reference loop given that membership."""
+    nodes(2)
+    faults = [Fault("kill", 1, 5), Fault("slow", 0, 0, ms=150)]  # slow steps: the replacement is up mid-run
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, policy="resize"), steps=20, faults=faults)
+    join = next(e["step"] for e in events if e["event"] == "grow")
+    assert join % EVERY == 0 and 6 <= join < 20, join
+    syncs = {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}
+    assert syncs[4] == [0, 1] and syncs[6] == [0] and syncs[20] == [0, 1], syncs
+    reference = _reference(lm_factory, steps=20, active=lambda k, r: r == 0 or k < 5 or k >= join,
+                           joins_from=lambda b, r: 0 if (b, r) == (join, 1) else None)
+    _close(trainer, report, reference)
+
+
+def test_pause_with_a_spare_recomputes_the_round(nodes, free, lm_factory):
+    """Replica 1 is killed in inner step 5: the spare loads its state of
+    the round's start (step 4, fragment 0's synchronization), takes in
+    fragment 0 one step later as the replica did, recomputes steps 4 and
+    5, and the run ends bitwise equal to the failure-free one."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, spare_slices=1), faults=[Fault("kill", 1, 5)])
+    caught = [e for e in events if e["event"] == "diloco_caught_up"]
+    assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
+    assert _equal(trainer, free[0])
+
+
+def test_cold_start_from_a_checkpoint_written_mid_round(nodes, free, lm_factory, tmp_path):
+    """A run stops with a checkpoint of step 5 (the round started at 4,
+    fragment 0's new global params not yet mixed in); a new run on the
+    same path resumes it bitwise, losses included."""
+    nodes(2)
+    path = str(tmp_path / "ckpt")
+    _fit(lm_factory, _config(num_slices=2), steps=5, checkpoint=CheckpointConfig(path, save_every=5, save_at_end=False))
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2), checkpoint=CheckpointConfig(path, save_every=100))
+    restore = next(e for e in events if e["event"] == "restore")
+    assert restore["step"] == 5 and restore["source"] == "checkpoint"
+    assert _equal(trainer, free[0])
+    assert report.losses[5:] == free[1].losses[5:]
