@@ -61,7 +61,7 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   bytes per host per step against the ring bound, the exchange's seconds,
   step time, peak memory (`--steps`, default 12; `--runs` rounds,
   default 1); `--big`: the 2 GB state on 2 slices (`--runs`, default 2);
-- diloco: synchronous training against DiLoCo (sync period 10 and 36), on
+- diloco: synchronous training against DiLoCo (sync period 10 and 36) and Streaming DiLoCo (4 fragments), on
   a plain local cluster and behind a simulated 1 Gbit/s link per host:
   steps per second, bytes across slices per step, loss curves (a PNG)
 - kept: a driver's next run on new workers against one on the slices its

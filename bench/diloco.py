@@ -3,14 +3,19 @@ between slices: `python -m bench diloco [--runs N] [--steps S] [--out DIR]`.
 
 The example LM on 2 one-host slices of a local cluster, `--steps`
 (default 300) steps: synchronous training (a gradient exchange every
-step), DiLoCo with diloco_sync_period 10 and 36 (MaxText's default). Each
-without and with a simulated 1 Gbit/s link per host (worker/exchange_stats.py,
+step), DiLoCo with diloco_sync_period 10 and 36 (MaxText's default) and
+Streaming DiLoCo with 4 fragments (H 36: one fragment every 9 steps).
+Each without and with a simulated 1 Gbit/s link per host (worker/exchange_stats.py,
 LINK_ENV: a host waits for the bytes it took in from other slices as if
 they had come over that link; every host's waits are reported, summed). Per run: steps per second over the steps after the first 20,
 bytes that crossed slices per step (every host's counters, summed), the
 final loss and the loss curve; the curves of the first unthrottled runs
-go into a PNG. Medians over `--runs` runs, alternated on one
-cluster. Throttled and unthrottled runs of a variant must compute the
+go into a PNG. Two more rows, unthrottled, show where the loss gap
+comes from: H 10 with the outer step that did best here (lr 1.0, no
+momentum), and the same with each replica taking the synchronous run's
+whole batch (batch_shards 4: twice its tokens per step, as the DiLoCo
+paper's replicas each take the baseline's batch). Medians over `--runs`
+runs, alternated on one cluster. Throttled and unthrottled runs of a variant must compute the
 same losses, bitwise: the link changes timing only.
 """
 
@@ -25,16 +30,27 @@ import ray
 from bench.common import lm_factory, start_cluster
 from ray_elastic.worker.exchange_stats import LINK_ENV
 
-VARIANTS = {"synchronous": 0, "diloco_h10": 10, "diloco_h36": 36}
+# name -> (ElasticConfig fields, whether it also runs over the slow link)
+VARIANTS = {
+    "synchronous": ({}, True),
+    "diloco_h10": ({"enable_diloco": True, "diloco_sync_period": 10}, True),
+    "diloco_h36": ({"enable_diloco": True, "diloco_sync_period": 36}, True),
+    "streaming_h36_f4": ({"enable_diloco": True, "diloco_sync_period": 36, "enable_streaming_diloco": True,
+                          "num_diloco_fragments": 4}, True),
+    "diloco_h10_lr1_m0": ({"enable_diloco": True, "diloco_sync_period": 10, "diloco_outer_lr": 1.0,
+                           "diloco_outer_momentum": 0.0}, False),
+    "diloco_h10_lr1_m0_whole_batch": ({"enable_diloco": True, "diloco_sync_period": 10, "diloco_outer_lr": 1.0,
+                                       "diloco_outer_momentum": 0.0, "batch_shards": 4}, False),
+}
 LINK_GBITS = 1.0
 SKIP = 20
 
 
-def _one(factory, steps: int, period: int) -> dict:
+def _one(factory, steps: int, fields: dict) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.callbacks import Callback
 
-    config = ElasticConfig(num_slices=2, enable_diloco=bool(period), **({"diloco_sync_period": period} if period else {}))
+    config = ElasticConfig(num_slices=2, **fields)
     seen: dict = {}
 
     class Watch(Callback):
@@ -58,6 +74,30 @@ def _one(factory, steps: int, period: int) -> dict:
             "losses": list(report.losses), "failures": len(report.failures)}
 
 
+def plain_loops(steps: int) -> dict:
+    """Final losses of plain single-process JAX loops (tests/diloco_reference.py),
+    for where DiLoCo's gap comes from: the synchronous run's math (one
+    replica, both shards), one replica on one shard (a DiLoCo replica's
+    half of the batch, alone), and 2 replicas averaged every step."""
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from tests.diloco_reference import diloco_reference
+
+    program = lm_factory()()
+    loops = {"both shards, one replica (synchronous)": dict(shards=2, replicas=1),
+             "one shard, one replica (half the batch)": dict(shards=1, replicas=1),
+             "2 replicas averaged every step (H 1)": dict(shards=2, replicas=2, period=1)}
+    out = {}
+    for name, kw in loops.items():
+        _, losses = diloco_reference(program, seed=0, steps=steps, period=kw.pop("period", 10 ** 9), outer_lr=1.0,
+                                     outer_momentum=0.0, **kw)
+        out[name] = losses[-1]
+    return out
+
+
 def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
     from bench.charts import curves_png
 
@@ -66,14 +106,14 @@ def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
     cluster = start_cluster(2)
     try:
         for _ in range(runs):  # alternated, so every cell shares the machine's load alike
-            for name, period in VARIANTS.items():
-                for link in ("none", f"{LINK_GBITS:g}gbit"):
+            for name, (fields, throttled) in VARIANTS.items():
+                for link in ("none", f"{LINK_GBITS:g}gbit")[:2 if throttled else 1]:
                     if link == "none":
                         os.environ.pop(LINK_ENV, None)
                     else:  # the driver's setting reaches the run's workers (cluster/slice_group.py)
                         os.environ[LINK_ENV] = str(LINK_GBITS)
                     try:
-                        rows.setdefault((name, link), []).append(_one(factory, steps, period))
+                        rows.setdefault((name, link), []).append(_one(factory, steps, fields))
                     finally:
                         os.environ.pop(LINK_ENV, None)
     finally:
@@ -90,7 +130,8 @@ def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
     os.makedirs(out, exist_ok=True)
     png = curves_png({name: rows[(name, "none")][0]["losses"] for name in VARIANTS}, os.path.join(out, "diloco_loss.png"),
                      f"example LM, 2 slices, {steps} steps: synchronous vs DiLoCo")
-    return {"steps": steps, "runs": runs, "link_gbits": LINK_GBITS, "rows": out_rows, "png": png}
+    return {"steps": steps, "runs": runs, "link_gbits": LINK_GBITS, "rows": out_rows, "png": png,
+            "plain_loops": plain_loops(steps)}
 
 
 def table(result: dict) -> str:
@@ -102,11 +143,14 @@ def table(result: dict) -> str:
              "| cut vs synchronous | final loss | vs synchronous | same losses throttled |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
-        free, slow = r["none"], r[link]
+        free, slow = r["none"], r.get(link)
         cut = sync["none"]["bytes_per_step"] / max(free["bytes_per_step"], 1)
-        lines.append(f"| {name} | {free['steps_per_s']:.2f} | {slow['steps_per_s']:.2f} | "
-                     f"{slow['steps_per_s'] / free['steps_per_s']:.1%} | {free['bytes_per_step']:,.0f} | {cut:.1f}x | "
+        throttled = (f"{slow['steps_per_s']:.2f} | {slow['steps_per_s'] / free['steps_per_s']:.1%}" if slow
+                     else "- | -")
+        lines.append(f"| {name} | {free['steps_per_s']:.2f} | {throttled} | {free['bytes_per_step']:,.0f} | {cut:.1f}x | "
                      f"{free['final_loss']:.4f} | {free['final_loss'] / sync['none']['final_loss'] - 1:+.1%} | "
-                     f"{slow['same_losses']} |")
+                     f"{slow['same_losses'] if slow else '-'} |")
     lines.append(f"\nloss curves: {result['png']}")
+    lines += ["", f"plain JAX loops, {result['steps']} steps (outer lr 1.0, no momentum): final loss", ""]
+    lines += [f"- {name}: {loss:.4f}" for name, loss in result.get("plain_loops", {}).items()]
     return "\n".join(lines)

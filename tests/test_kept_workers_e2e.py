@@ -61,11 +61,24 @@ def _gone(pids, within_s: float = 30.0) -> bool:
     return False
 
 
-def _idle_processes(settle_s: float = 3.0) -> int:
-    """Ray's idle worker processes on this machine (the warm pool's among
-    them), once those asked for have had time to start."""
+def _idle_processes(cluster, settle_s: float = 3.0) -> int:
+    """Ray's idle worker processes of `cluster` (the warm pool's among
+    them: children of its raylets, not another cluster's on this machine),
+    once those asked for have had time to start."""
+    import os
+
     time.sleep(settle_s)
-    return sum(1 for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [""])[0].startswith("ray::IDLE"))
+    session = os.path.basename(os.path.dirname(cluster.logs_dir))
+    count = 0
+    for p in psutil.process_iter(["cmdline"]):
+        if not (p.info["cmdline"] or [""])[0].startswith("ray::IDLE"):
+            continue
+        try:
+            parent = p.parent()
+            count += parent is not None and any(session in a for a in parent.cmdline())
+        except psutil.Error:  # gone meanwhile
+            pass
+    return count
 
 
 def _bitwise(a, b) -> bool:
@@ -86,10 +99,11 @@ def fresh(nodes):
     release_workers()
 
 
-def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh, lm_factory):
+def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh, cluster, lm_factory):
     first, pids1, kept1 = _run(lm_factory)
     assert kept1 == {0: False, 1: False}  # nothing was kept before it
-    idle = _idle_processes()
+    idle = _idle_processes(cluster)
+    assert idle > 0  # the warm pool's, at least
     # A `slow` fault (a delay, no change in value) taints slice 1's worker.
     second, pids2, kept2 = _run(lm_factory, faults=(Fault("slow", 1, 2, ms=50),))
     assert kept2 == {0: True, 1: True}
@@ -98,7 +112,7 @@ def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh,
     assert _bitwise(first.final_state, second.final_state)
     # The warm processes the first run's workers asked for serve them still:
     # a kept worker asks for none again (they would pile up run after run).
-    assert _idle_processes() <= idle
+    assert _idle_processes(cluster) <= idle
     # A run that keeps nothing still takes what was kept: slice 0's worker;
     # slice 1's, which had a fault injected, was not kept.
     third, pids3, kept3 = _run(lm_factory, keep=False)
