@@ -4,7 +4,8 @@ global fragment mixed into the replicas one step later with alpha 0.5,
 so every part of the schedule runs: runs that equal the plain loop of
 tests/diloco_reference.py, a replica killed mid-round under resize (the
 replacement joins at a fragment's synchronization with its donor's
-whole inner state) and under pause with a hot spare, and a cold start
+whole inner state) and under pause with a hot spare (mid-round and
+mid-synchronization), and a cold start
 from a checkpoint written mid-round (both bitwise the failure-free run).
 
 Tolerances against the reference loop are test_diloco_e2e.py's, for
@@ -119,6 +120,23 @@ def test_pause_with_a_spare_recomputes_the_round(nodes, free, lm_factory):
     caught = [e for e in events if e["event"] == "diloco_caught_up"]
     assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
     assert _equal(trainer, free[0])
+
+
+def test_pause_kill_mid_synchronization(nodes, free, lm_factory):
+    """Replica 1 is killed while fragment 1's synchronization at step 6
+    applies: the survivor's outer step of that fragment, applied or not,
+    is taken back; the spare recomputes replica 1's round (steps 4 and 5,
+    fragment 0 taken in before step 5) and the fragment synchronizes
+    again with both replicas: bitwise the failure-free run."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, spare_slices=1),
+                                   faults=[Fault("kill", 1, 6, phase="sync")])
+    assert [e["phase"] for e in events if e["event"] == "fault"] == ["sync"]
+    caught = [e for e in events if e["event"] == "diloco_caught_up"]
+    assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
+    assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[6] == [0, 1]
+    assert _equal(trainer, free[0])
+    assert report.losses == free[1].losses
 
 
 def test_cold_start_from_a_checkpoint_written_mid_round(nodes, free, lm_factory, tmp_path):

@@ -424,12 +424,10 @@ class SliceSteps:
 
     def _fragment(self, spec: OuterSpec, fragment: Optional[int]) -> Optional[tuple]:
         """The leaf indices of Streaming DiLoCo's `fragment` (None: every leaf)."""
-        if fragment is None:
-            return None
-        if self._fragments is None or self._fragments[0] != spec.fragments:
+        if fragment is not None and (self._fragments is None or self._fragments[0] != spec.fragments):
             sizes = [math.prod(sp.shape) * np.dtype(sp.dtype).itemsize for sp in self._layout.param_specs]
             self._fragments = (spec.fragments, fragment_leaves(sizes, spec.fragments))
-        return self._fragments[1][fragment]
+        return None if fragment is None else self._fragments[1][fragment]
 
     def outer_apply(self, boundary: int, parts: tuple, spec: OuterSpec, fragment: Optional[int] = None) -> dict:
         """The outer step at `boundary` from the owners' sums of the
@@ -489,10 +487,11 @@ class SliceSteps:
         joiner's, or a slice whose synchronization was cut short. The
         caller holds the state's lock."""
         self._held.ensure()
+        mixed = self.outer.synced == int(copy.step)  # this host applied that step itself: its fragment is in
         self.outer.load(copy, spec)
         if take == "all":
             self._held.params = self.outer.global_copy(spec)
-        elif take is not None:
+        elif take is not None and not mixed:
             self._held.params = self.outer.mix(self._held.params, spec, self._fragment(spec, take))
         self._held.generation += 1
         return self.outer.synced
