@@ -177,3 +177,32 @@ def test_pause_node_removed_mid_round(cluster, nodes, free, lm_factory):
     caught = [e for e in events if e["event"] == "diloco_caught_up"]
     assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
     assert _equal(trainer, free[0])
+
+
+def test_pause_every_replica_killed_goes_back_to_the_round_start(nodes, free, lm_factory):
+    """Both replicas are killed in inner step 6: no live replica holds the
+    global params, and the run goes back to the round's start (step 4)
+    from the states kept at that synchronization, not to step 0; it
+    redoes steps 4 and 5 and ends bitwise equal to the failure-free run."""
+    nodes(2)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2), faults=[Fault("kill", 0, 6), Fault("kill", 1, 6)])
+    restore = [e for e in events if e["event"] == "restore"]
+    assert restore and restore[0]["source"] == "snapshot" and restore[0]["step"] == 4, restore
+    assert report.failures and all(f.steps_rewound <= 3 for f in report.failures), report.failures
+    assert _equal(trainer, free[0])
+    assert report.losses == free[1].losses
+
+
+def test_every_replica_killed_goes_back_to_a_newer_checkpoint(nodes, free, lm_factory, tmp_path):
+    """With a checkpoint of step 5 newer than the round's start (4), a run
+    that loses both replicas in step 7 goes back to the checkpoint, and
+    ends bitwise equal to the failure-free run."""
+    from ray_elastic import CheckpointConfig
+
+    nodes(2)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2), faults=[Fault("kill", 0, 7), Fault("kill", 1, 7)],
+                                   checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), save_every=5))
+    restore = [e for e in events if e["event"] == "restore"]
+    assert restore and restore[0]["source"] == "checkpoint" and restore[0]["step"] == 5, restore
+    assert _equal(trainer, free[0])
+    assert report.losses == free[1].losses

@@ -228,10 +228,19 @@ class RayBackend:
         sl, spec = self._up[slice_id], self.diloco.spec
         return tuple(w.diloco_global.remote(spec) for w in sl.workers) if sl.per_host else sl.workers[0].diloco_global.remote(spec)
 
+    def outer_copies(self, slices: Sequence[int]) -> list:
+        """Copies of the global params and outer state now, each (ref, the
+        nodes it lies on), from two slices (on two slices' nodes): what a
+        run that loses every replica goes back to, beside their round-start
+        states. Owned by the driver."""
+        return [(self.outer_copy(s), tuple(h["node_id"] for h in self.hosts(s))) for s in sorted(slices)[:2]]
+
     def load_outer(self, slices: Sequence[int], copy: Any, timeout_s: float) -> None:
-        """Every host of `slices` holds `copy` (whole arrays) as its global params and outer state."""
-        ray.get([w.diloco_load_outer.remote(copy, self.diloco.spec) for s in slices for w in self._up[s].workers],
-                timeout=timeout_s)
+        """Every host of `slices` holds `copy` as its global params and outer
+        state: whole arrays, or `outer_copy`'s (a tuple: host i's from host i)."""
+        spec = self.diloco.spec
+        ray.get([w.diloco_load_outer.remote(copy[h] if isinstance(copy, tuple) else copy, spec)
+                 for s in slices for h, w in enumerate(self._up[s].workers)], timeout=timeout_s)
 
     def undo_sync(self, slices: Sequence[int], since: int, deadline_s: float) -> int:
         """Every host of `slices` takes back an outer step past boundary

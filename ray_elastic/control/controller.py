@@ -312,11 +312,12 @@ class Controller:
         had_live, kind = bool(self.members.live), "replica"
         if self._rounds.on and had_live:  # a DiLoCo replica joins its round (control/diloco.py)
             joined = self._rounds.join(new, self.step, self.members, self._deadline_s())
-        else:
-            source = self.members.state_source(self.step)
+        else:  # DiLoCo with every replica lost: back to the round's start if it is kept (control/diloco.py)
+            source = self._rounds.lost_all(self.members) if self._rounds.on else self.members.state_source(self.step)
             if not had_live:
                 self._restore_from(source)
-            joined, kind = self.members.join(new, source), source.kind
+            joined, kind = (self._rounds.rejoin(new, source, self.members, self._deadline_s()) if self._rounds.on
+                            else self.members.join(new, source)), source.kind
         if not joined:
             return False
         self._event("grow", joined=new, slices=sorted(self.members.live), spares=sorted(self.members.ready), step=self.step,
@@ -494,8 +495,7 @@ class Controller:
 
     def _reconcile(self, unreachable: bool) -> None:
         """Bring the survivors to one common step after a failure mid-step."""
-        target = self.members.reconcile(self.step, unreachable)
-        if target is not None:
+        if (target := self.members.reconcile(self.step, unreachable)) is not None:
             self._rewind_to(target)
 
     # -- checkpoints and preemption ----------------------------------------------

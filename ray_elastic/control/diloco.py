@@ -16,7 +16,11 @@ nothing, so a lost replica costs the others no step:
   state of the round's start, kept in the object store at every
   synchronization, and recomputes the replica's inner steps of the round
   before the run goes on: the round ends with every replica, bitwise as
-  without the failure.
+  without the failure;
+- every replica lost at once: the run goes back to the newest of the
+  round's start (under pause, where every replica's round-start state and
+  a copy of the global params and outer state, kept beside them, are
+  still readable) and the newest durable checkpoint; else to step 0.
 
 Pure bookkeeping but for the calls it makes through the backend and
 membership it is given.
@@ -56,6 +60,7 @@ class Rounds:
         self.replicas: dict[int, int] = {s: s for s in range(config.num_slices)}  # slice -> replica
         self.round_start = 0  # the step the current round started at (its global params')
         self._round_states: dict[int, object] = {}  # replica -> its state at round_start (pause)
+        self._outer_copies: list = []  # (ref, its nodes) of the global params and outer state at round_start (pause)
         # Durable checkpoints (diloco_saves.py), with a CheckpointConfig.
         self.checkpoints = None
         if self.on and checkpoint is not None:
@@ -126,10 +131,50 @@ class Rounds:
         self.round_start = step
         if step < self._steps and self._policy == "pause":  # the round's start, for a replacement to recompute from
             self.keep_round_states({self.replicas[s]: c for s, c in members.backend.round_states(live).items()})
+            self._outer_copies = members.backend.outer_copies(live)
 
     def restart(self, step: int) -> None:
-        """The run went back to `step` with no live slice (a fresh start)."""
-        self.round_start, self._round_states = step, {}
+        """The run went back to `step` with no live slice: a fresh start,
+        or this round's start (its kept states stay, for the next failure)."""
+        if step != self.round_start or step == 0:
+            self._round_states, self._outer_copies = {}, []
+        self.round_start = step
+
+    def lost_all(self, members: Membership) -> StateSource:
+        """Where the run goes back to with every replica lost: this round's
+        start (pause: every replica's round-start state and a global copy
+        still readable; its ref: (replica -> state ref, global copy ref)),
+        a newer durable checkpoint, or step 0."""
+        alive = members.backend.node_alive
+        starts = self.round_state_refs(alive)
+        outer = next((ref for ref, nodes in self._outer_copies if all(alive(n) for n in nodes)), None)
+        durable = self.checkpoints.latest() if self.checkpoints is not None else None
+        memory = self.round_start if self.round_start > 0 and outer is not None and len(starts) == self._replicas_n else None
+        if durable is not None and (memory is None or durable > memory):
+            return StateSource("checkpoint", durable)
+        if memory is not None:
+            return StateSource("snapshot", memory, (starts, outer))
+        return StateSource("initial", 0)
+
+    def rejoin(self, new: list, source: StateSource, members: Membership, deadline_s: float) -> bool:
+        """Ready slices `new` take up the run from `source` (`lost_all`'s),
+        every replica lost: each takes a replica (lowest first) and its
+        state. False if a load failed (membership re-queued what it must)."""
+        if source.kind == "snapshot":
+            starts, outer = source.ref
+            taken = dict(zip(sorted(new), range(self._replicas_n)))
+            for s, r in taken.items():
+                if not members.join([s], StateSource("snapshot", source.step, starts[r])):
+                    return False
+                self.replicas[s] = r
+            members.backend.load_outer(sorted(taken), outer, deadline_s)
+            return True
+        if not members.join(new, StateSource("initial", 0)):
+            return False
+        self.replicas = {s: r for s, r in zip(sorted(members.live), range(self._replicas_n))}
+        if source.kind == "checkpoint":
+            self.checkpoints.cold_start(source.step, deadline_s)
+        return True
 
     def join(self, new: list, step: int, members: Membership, deadline_s: float) -> bool:
         """Ready slices `new` join the live ones: each takes a missing

@@ -76,6 +76,10 @@ class DilocoCheckpoints:
                                   f"{name}={have}; this run has {value}. Set {setting}={have} to resume it")
         return step
 
+    def latest(self) -> Optional[int]:
+        """The newest committed step (None: none)."""
+        return self._store.latest_committed()
+
     # -- what the controller calls (as saves.py's) ------------------------------
 
     def due(self, step: int) -> bool:
