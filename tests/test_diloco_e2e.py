@@ -3,37 +3,23 @@ JAX loop of the same replicas (tests/diloco_reference.py), and a replica
 killed mid-round under resize (the survivors' round ends without it; a
 replacement joins at a round's start) and under pause with a hot spare
 (the spare recomputes the lost replica's round: bitwise the failure-free
-run).
-
-Tolerances against the reference loop: the losses within 1e-5 relative,
-the params within 2e-4 absolute (magnitudes up to about 1). Both sides
-compute the same float32 math, but as different XLA programs (the
-worker's step is compiled over the slice's mesh, its shard gradients
-summed on the devices; the loop's in one jit), so sums differ in their
-last bits; Adam divides by the root of small second moments and the
-outer Nesterov step (lr 0.3, momentum 0.9) carries each difference on,
-so 12 steps bring them to about 1e-5 (24 to 1.5e-4). A run with
-failures must equal the failure-free run bitwise: same program, same
-order of every sum.
+run). Tolerances against the loop: tests/diloco_checks.py.
 """
 
 from __future__ import annotations
 
 import functools
 
-import jax
-import numpy as np
 import pytest
 
-from ray_elastic import CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic import CpuSlice, ElasticConfig, Fault
+from tests.diloco_checks import bitwise_equal as _equal, close as _close, fit
 from tests.diloco_reference import diloco_reference
 
 pytestmark = pytest.mark.cluster
 
 H = 4
 STEPS = 12
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 2e-4
 
 
 def _config(**kw) -> ElasticConfig:
@@ -43,22 +29,7 @@ def _config(**kw) -> ElasticConfig:
 
 
 def _fit(factory, config, steps=STEPS, **kw):
-    events: list = []
-    trainer = ElasticTrainer(factory, config, steps, keep_final_state=True, on_event=events.append, **kw)
-    report = trainer.fit()
-    assert report.steps_completed == steps
-    return trainer, report, events
-
-
-def _close(trainer, report, reference) -> None:
-    params, losses = reference
-    np.testing.assert_allclose(report.losses, losses, rtol=LOSS_RTOL)
-    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
-        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
-
-
-def _equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.final_params()), jax.tree.leaves(b.final_params())))
+    return fit(factory, config, steps, **kw)
 
 
 @pytest.fixture(scope="module")

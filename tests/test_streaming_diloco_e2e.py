@@ -8,17 +8,15 @@ whole inner state) and under pause with a hot spare (mid-round and
 mid-synchronization), and a cold start
 from a checkpoint written mid-round (both bitwise the failure-free run).
 
-Tolerances against the reference loop are test_diloco_e2e.py's, for
-the same reasons: the same float32 math as different XLA programs.
+Tolerances against the reference loop: tests/diloco_checks.py.
 """
 
 from __future__ import annotations
 
-import jax
-import numpy as np
 import pytest
 
-from ray_elastic import CheckpointConfig, CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic import CheckpointConfig, CpuSlice, ElasticConfig, Fault
+from tests.diloco_checks import bitwise_equal as _equal, close as _close, fit
 from tests.diloco_reference import diloco_reference
 
 pytestmark = pytest.mark.cluster
@@ -26,8 +24,6 @@ pytestmark = pytest.mark.cluster
 H, FRAGMENTS, OVERLAP, ALPHA = 4, 2, 1, 0.5
 EVERY = H // FRAGMENTS
 STEPS = 12
-LOSS_RTOL = 1e-5
-PARAM_ATOL = 2e-4
 
 
 def _config(**kw) -> ElasticConfig:
@@ -37,27 +33,12 @@ def _config(**kw) -> ElasticConfig:
 
 
 def _fit(factory, config, steps=STEPS, **kw):
-    events: list = []
-    trainer = ElasticTrainer(factory, config, steps, keep_final_state=True, on_event=events.append, **kw)
-    report = trainer.fit()
-    assert report.steps_completed == steps
-    return trainer, report, events
+    return fit(factory, config, steps, **kw)
 
 
 def _reference(factory, steps=STEPS, **kw):
     return diloco_reference(factory(), seed=0, shards=kw.pop("shards", 2), replicas=kw.pop("replicas", 2), steps=steps,
                             period=H, fragments=FRAGMENTS, overlap=OVERLAP, alpha=ALPHA, **kw)
-
-
-def _close(trainer, report, reference) -> None:
-    params, losses = reference
-    np.testing.assert_allclose(report.losses, losses, rtol=LOSS_RTOL)
-    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
-        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
-
-
-def _equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a.final_params()), jax.tree.leaves(b.final_params())))
 
 
 @pytest.fixture(scope="module")
