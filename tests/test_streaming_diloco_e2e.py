@@ -61,19 +61,6 @@ def test_two_replicas_equal_the_reference_loop(free, lm_factory):
     _close(trainer, report, _reference(lm_factory))
 
 
-def test_fsdp_slices_of_two_hosts(nodes):
-    """Each replica an fsdp-sharded slice of 2 hosts: a fragment's blocks
-    cross slices host by host, and the run equals the plain loop."""
-    import functools
-
-    import examples.lm as lm
-
-    nodes(4)
-    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
-    trainer, report, _ = _fit(factory, _config(num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=1)), steps=8)
-    _close(trainer, report, _reference(factory, steps=8))
-
-
 def test_resize_kill_mid_round(nodes, lm_factory):
     """Replica 1 is killed in inner step 5: replica 0's fragments
     synchronize alone until the replacement joins at a fragment's
@@ -89,6 +76,20 @@ def test_resize_kill_mid_round(nodes, lm_factory):
     reference = _reference(lm_factory, steps=20, active=lambda k, r: r == 0 or k < 5 or k >= join,
                            joins_from=lambda b, r: 0 if (b, r) == (join, 1) else None)
     _close(trainer, report, reference)
+
+
+def test_cold_start_from_a_checkpoint_written_mid_round(nodes, free, lm_factory, tmp_path):
+    """A run stops with a checkpoint of step 5 (the round started at 4,
+    fragment 0's new global params not yet mixed in); a new run on the
+    same path resumes it bitwise, losses included."""
+    nodes(2)
+    path = str(tmp_path / "ckpt")
+    _fit(lm_factory, _config(num_slices=2), steps=5, checkpoint=CheckpointConfig(path, save_every=5, save_at_end=False))
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2), checkpoint=CheckpointConfig(path, save_every=100))
+    restore = next(e for e in events if e["event"] == "restore")
+    assert restore["step"] == 5 and restore["source"] == "checkpoint"
+    assert _equal(trainer, free[0])
+    assert report.losses[5:] == free[1].losses[5:]
 
 
 def test_pause_with_a_spare_recomputes_the_round(nodes, free, lm_factory):
@@ -120,15 +121,14 @@ def test_pause_kill_mid_synchronization(nodes, free, lm_factory):
     assert report.losses == free[1].losses
 
 
-def test_cold_start_from_a_checkpoint_written_mid_round(nodes, free, lm_factory, tmp_path):
-    """A run stops with a checkpoint of step 5 (the round started at 4,
-    fragment 0's new global params not yet mixed in); a new run on the
-    same path resumes it bitwise, losses included."""
-    nodes(2)
-    path = str(tmp_path / "ckpt")
-    _fit(lm_factory, _config(num_slices=2), steps=5, checkpoint=CheckpointConfig(path, save_every=5, save_at_end=False))
-    trainer, report, events = _fit(lm_factory, _config(num_slices=2), checkpoint=CheckpointConfig(path, save_every=100))
-    restore = next(e for e in events if e["event"] == "restore")
-    assert restore["step"] == 5 and restore["source"] == "checkpoint"
-    assert _equal(trainer, free[0])
-    assert report.losses[5:] == free[1].losses[5:]
+def test_fsdp_slices_of_two_hosts(nodes):
+    """Each replica an fsdp-sharded slice of 2 hosts: a fragment's blocks
+    cross slices host by host, and the run equals the plain loop."""
+    import functools
+
+    import examples.lm as lm
+
+    nodes(4)
+    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
+    trainer, report, _ = _fit(factory, _config(num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=1)), steps=8)
+    _close(trainer, report, _reference(factory, steps=8))
