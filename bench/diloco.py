@@ -14,13 +14,18 @@ go into a PNG. Two more rows, unthrottled, show where the loss gap
 comes from: H 10 with the outer step that did best here (lr 1.0, no
 momentum), and the same with each replica taking the synchronous run's
 whole batch (batch_shards 4: twice its tokens per step, as the DiLoCo
-paper's replicas each take the baseline's batch). Medians over `--runs`
+paper's replicas each take the baseline's batch). Two more, unthrottled,
+follow the DiLoCo paper's protocol, which starts DiLoCo from a pretrained
+model: synchronous training and DiLoCo H 10 (MaxText's outer step), each
+`--steps` steps from the params that the first synchronous run reached,
+on another data order (seed 1). Medians over `--runs`
 runs, alternated on one cluster. Throttled and unthrottled runs of a variant must compute the
 same losses, bitwise: the link changes timing only.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -42,11 +47,16 @@ VARIANTS = {
     "diloco_h10_lr1_m0_whole_batch": ({"enable_diloco": True, "diloco_sync_period": 10, "diloco_outer_lr": 1.0,
                                        "diloco_outer_momentum": 0.0, "batch_shards": 4}, False),
 }
+# name -> ElasticConfig fields of the runs from a pretrained start (unthrottled)
+PRETRAINED = {
+    "synchronous_pretrained": {"seed": 1},
+    "diloco_h10_pretrained": {"seed": 1, "enable_diloco": True, "diloco_sync_period": 10},
+}
 LINK_GBITS = 1.0
 SKIP = 20
 
 
-def _one(factory, steps: int, fields: dict) -> dict:
+def _one(factory, steps: int, fields: dict, keep_final_state: bool = False) -> dict:
     from ray_elastic import ElasticConfig, ElasticTrainer
     from ray_elastic.callbacks import Callback
 
@@ -65,13 +75,16 @@ def _one(factory, steps: int, fields: dict) -> dict:
                 seen["stats"] = ray.get([w.exchange_stats.remote() for s in sorted(trainer.members.live)
                                          for w in t.workers(s)], timeout=60)
 
-    trainer = ElasticTrainer(factory, config, steps, callbacks=[Watch()])
+    trainer = ElasticTrainer(factory, config, steps, callbacks=[Watch()], keep_final_state=keep_final_state)
     report = trainer.fit()
     crossed = sum(st["bytes_from_other_slices"] for st in seen["stats"])
-    return {"steps_per_s": round((steps - SKIP) / (seen["to"] - seen["from"]), 3),
-            "bytes_per_step": round(crossed / steps), "final_loss": report.losses[-1],
-            "link_wait_s": round(sum(st["link_wait_s"] for st in seen["stats"]), 3),
-            "losses": list(report.losses), "failures": len(report.failures)}
+    out = {"steps_per_s": round((steps - SKIP) / (seen["to"] - seen["from"]), 3),
+           "bytes_per_step": round(crossed / steps), "final_loss": report.losses[-1],
+           "link_wait_s": round(sum(st["link_wait_s"] for st in seen["stats"]), 3),
+           "losses": list(report.losses), "failures": len(report.failures)}
+    if keep_final_state:
+        out["params"] = trainer.final_params()
+    return out
 
 
 def plain_loops(steps: int) -> dict:
@@ -101,8 +114,11 @@ def plain_loops(steps: int) -> dict:
 def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
     from bench.charts import curves_png
 
+    import examples.lm as lm
+
     factory = lm_factory()
     rows: dict = {}
+    pretrained = None  # the first synchronous run's final params
     cluster = start_cluster(2)
     try:
         for _ in range(runs):  # alternated, so every cell shares the machine's load alike
@@ -113,9 +129,15 @@ def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
                     else:  # the driver's setting reaches the run's workers (cluster/slice_group.py)
                         os.environ[LINK_ENV] = str(LINK_GBITS)
                     try:
-                        rows.setdefault((name, link), []).append(_one(factory, steps, fields))
+                        keep = pretrained is None and name == "synchronous" and link == "none"
+                        r = _one(factory, steps, fields, keep_final_state=keep)
+                        pretrained = r.pop("params", pretrained)
+                        rows.setdefault((name, link), []).append(r)
                     finally:
                         os.environ.pop(LINK_ENV, None)
+            from_pretrained = functools.partial(lm.make_program, lm.LMConfig(), pretrained=pretrained)
+            for name, fields in PRETRAINED.items():
+                rows.setdefault((name, "none"), []).append(_one(from_pretrained, steps, fields))
     finally:
         cluster.shutdown()
     out_rows = {}
@@ -130,8 +152,11 @@ def run(runs: int = 3, steps: int = 300, out: str = "reports/bench") -> dict:
     os.makedirs(out, exist_ok=True)
     png = curves_png({name: rows[(name, "none")][0]["losses"] for name in VARIANTS}, os.path.join(out, "diloco_loss.png"),
                      f"example LM, 2 slices, {steps} steps: synchronous vs DiLoCo")
+    png_pretrained = curves_png({name: rows[(name, "none")][0]["losses"] for name in PRETRAINED},
+                                os.path.join(out, "diloco_loss_pretrained.png"),
+                                f"example LM, 2 slices, {steps} steps from {steps} synchronous ones")
     return {"steps": steps, "runs": runs, "link_gbits": LINK_GBITS, "rows": out_rows, "png": png,
-            "plain_loops": plain_loops(steps)}
+            "png_pretrained": png_pretrained, "plain_loops": plain_loops(steps)}
 
 
 def table(result: dict) -> str:
@@ -143,6 +168,8 @@ def table(result: dict) -> str:
              "| cut vs synchronous | final loss | vs synchronous | same losses throttled |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, r in result["rows"].items():
+        if name in PRETRAINED:
+            continue
         free, slow = r["none"], r.get(link)
         cut = sync["none"]["bytes_per_step"] / max(free["bytes_per_step"], 1)
         throttled = (f"{slow['steps_per_s']:.2f} | {slow['steps_per_s'] / free['steps_per_s']:.1%}" if slow
@@ -151,6 +178,14 @@ def table(result: dict) -> str:
                      f"{free['final_loss']:.4f} | {free['final_loss'] / sync['none']['final_loss'] - 1:+.1%} | "
                      f"{slow['same_losses'] if slow else '-'} |")
     lines.append(f"\nloss curves: {result['png']}")
+    pre = {name: result["rows"][name]["none"] for name in PRETRAINED if name in result["rows"]}
+    if pre:
+        base = pre["synchronous_pretrained"]["final_loss"]
+        lines += ["", f"from a pretrained start (the first synchronous run's params), {result['steps']} more steps, "
+                  "data order of seed 1:", "", "| variant | steps/s | final loss | vs synchronous |", "|---|---|---|---|"]
+        lines += [f"| {name} | {r['steps_per_s']:.2f} | {r['final_loss']:.4f} | {r['final_loss'] / base - 1:+.1%} |"
+                  for name, r in pre.items()]
+        lines.append(f"\nloss curves: {result['png_pretrained']}")
     lines += ["", f"plain JAX loops, {result['steps']} steps (outer lr 1.0, no momentum): final loss", ""]
     lines += [f"- {name}: {loss:.4f}" for name, loss in result.get("plain_loops", {}).items()]
     return "\n".join(lines)

@@ -104,3 +104,41 @@ def gcs_outage_fails_fast(monkeypatch):
         return await real_sleep(min(seconds, 0.01), *args, **kwargs)
 
     monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": short_sleep}))
+
+
+# The modules whose runs mostly share a program, seed and slice shape, one
+# test after another: there a run that completes keeps its slices for the
+# next (ElasticConfig.keep_workers, cluster/kept_workers.py). A new
+# worker's start and first steps cost ~3 s a run here, a kept one's
+# ~0.2 s, and both compute the same bits (tests/test_kept_workers_e2e.py).
+# Modules left out change shape from test to test (a kept slice of
+# another shape is ended first, which costs more than it saves), start
+# drivers of their own on the shared cluster (the kept slices would hold
+# the nodes those need) or look at how slices start and end.
+KEPT_MODULES = {
+    "test_diloco_e2e", "test_integrity_e2e", "test_shapes_e2e", "test_group_leaders_e2e", "test_grain_e2e",
+    "test_streaming_diloco_e2e", "test_demo_e2e", "test_false_alarms_e2e", "test_stragglers_e2e",
+    "test_snapshot_interval_e2e", "test_snapshots_e2e", "test_checkpoint_integrity_e2e",
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def kept_between_tests(request):
+    """ElasticConfig.keep_workers defaults to True in KEPT_MODULES; every
+    slice kept ends with its module, so no module sees another's."""
+    from ray_elastic.config import KEEP_WORKERS_ENV
+
+    if request.module.__name__.rsplit(".", 1)[-1] not in KEPT_MODULES:
+        yield
+        return
+    os.environ[KEEP_WORKERS_ENV] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop(KEEP_WORKERS_ENV, None)
+        import ray
+
+        if ray.is_initialized():
+            from ray_elastic import release_workers
+
+            release_workers()

@@ -36,6 +36,7 @@ def test_the_replacement_node_starts_outside_the_controller_thread(cluster, node
     assert rc == 0, console.err.getvalue()
     with open(report_path) as fh:
         report = json.load(fh)
+    assert len(report["failures"]) == 1, report["failures"]  # the node loss, and no false alarm
     (f,) = report["failures"]
     assert f["kind"] in ("node_died", "process_died") and f["steps_rewound"] == 0 and f["compute_redone"] in (0.0, 0.5)
     events = {e["event"]: e for e in report["events"]}
