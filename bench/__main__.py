@@ -63,7 +63,9 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   default 1); `--big`: the 2 GB state on 2 slices (`--runs`, default 2);
 - diloco: synchronous training against DiLoCo (sync period 10 and 36) and Streaming DiLoCo (4 fragments), on
   a plain local cluster and behind a simulated 1 Gbit/s link per host:
-  steps per second, bytes across slices per step, loss curves (a PNG)
+  steps per second, bytes across slices per step, loss curves (a PNG);
+  `--variants overlap`: Streaming DiLoCo with its exchange between two inner
+  steps (V 0) against beside the next 5 (V 5), behind a 20 Mbit/s link
 - kept: a driver's next run on new workers against one on the slices its
   last run kept (keep_workers): slices ready, whole fit, bitwise equal
   (`--runs` rounds, default 5; `--steps`, default 12).
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
                              "contract: alternated today/new-contract pairs (quick 2, full 5)")
     parser.add_argument("--variants", type=_csv, default=None,
                         help="ready: comma-separated subset of variants (default all); integrity: of parts "
-                             "(small,large,cross,catch,straggler)")
+                             "(small,large,cross,catch,straggler); diloco: 'overlap' (V 0 against V 5 behind a slow link)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
     parser.add_argument("--slices-per-leader", type=int, default=32,
@@ -178,6 +180,15 @@ def main(argv=None) -> int:
         print(text)
         write_result(args.out, "sizes", result, text)
         return 0
+
+    if args.suite == "diloco" and args.variants == ["overlap"]:
+        from bench import diloco
+
+        result = diloco.run_overlap(runs=args.runs or (1 if args.quick else 3), steps=args.steps or (60 if args.quick else 300))
+        text = diloco.overlap_table(result)
+        print(text)
+        write_result(args.out, "diloco_overlap", result, text)
+        return 0 if all(not c["failures"] and c["same_losses"] for r in result["rows"].values() for c in r.values()) else 1
 
     if args.suite == "diloco":
         from bench import diloco

@@ -54,6 +54,14 @@ PRETRAINED = {
 }
 LINK_GBITS = 1.0
 SKIP = 20
+# The overlap in time (`--variants overlap`): Streaming DiLoCo H 36, 4
+# fragments, synchronized between two inner steps (V 0) or beside the next
+# 5 (V 5), each unthrottled and behind a link slow enough (20 Mbit/s per
+# host) that a fragment's exchange takes a few inner steps' time.
+STREAMING = VARIANTS["streaming_h36_f4"][0]
+OVERLAP = {"streaming_h36_f4_v0": {**STREAMING, "num_communication_overlapping_steps": 0},
+           "streaming_h36_f4_v5": {**STREAMING, "num_communication_overlapping_steps": 5}}
+OVERLAP_GBITS = 0.02
 
 
 def _one(factory, steps: int, fields: dict, keep_final_state: bool = False) -> dict:
@@ -188,4 +196,47 @@ def table(result: dict) -> str:
         lines.append(f"\nloss curves: {result['png_pretrained']}")
     lines += ["", f"plain JAX loops, {result['steps']} steps (outer lr 1.0, no momentum): final loss", ""]
     lines += [f"- {name}: {loss:.4f}" for name, loss in result.get("plain_loops", {}).items()]
+    return "\n".join(lines)
+
+
+def run_overlap(runs: int = 3, steps: int = 300) -> dict:
+    """Streaming DiLoCo with V 0 against V 5, each unthrottled and behind
+    OVERLAP_GBITS: medians over `runs` alternated rounds on one cluster."""
+    factory = lm_factory()
+    rows: dict = {}
+    cluster = start_cluster(2)
+    try:
+        for _ in range(runs):
+            for name, fields in OVERLAP.items():
+                for gbits in (None, OVERLAP_GBITS):
+                    if gbits:
+                        os.environ[LINK_ENV] = str(gbits)
+                    try:
+                        rows.setdefault((name, gbits), []).append(_one(factory, steps, fields))
+                    finally:
+                        os.environ.pop(LINK_ENV, None)
+    finally:
+        cluster.shutdown()
+    out = {}
+    for (name, gbits), rs in rows.items():
+        out.setdefault(name, {})["none" if gbits is None else f"{gbits:g}gbit"] = {
+            "steps_per_s": statistics.median(r["steps_per_s"] for r in rs),
+            "link_wait_s": statistics.median(r["link_wait_s"] for r in rs),
+            "final_loss": rs[0]["final_loss"], "failures": sum(r["failures"] for r in rs),
+            "same_losses": all(r["losses"] == rows[(name, None)][0]["losses"] for r in rs),
+            "runs": [{k: v for k, v in r.items() if k != "losses"} for r in rs]}
+    return {"steps": steps, "runs": runs, "link_gbits": OVERLAP_GBITS, "rows": out}
+
+
+def overlap_table(result: dict) -> str:
+    link = f"{result['link_gbits']:g}gbit"
+    lines = [f"Streaming DiLoCo H 36, 4 fragments, 2 one-host slices, {result['steps']} steps, medians of "
+             f"{result['runs']} runs (steps per second over steps {SKIP + 1}..{result['steps']})", "",
+             f"| V | steps/s | steps/s at {result['link_gbits'] * 1000:g} Mbit/s | kept | link wait, all hosts (s) "
+             "| final loss | same losses throttled |", "|---|---|---|---|---|---|---|"]
+    for name, r in result["rows"].items():
+        free, slow = r["none"], r[link]
+        lines.append(f"| {name.rsplit('_v', 1)[1]} | {free['steps_per_s']:.2f} | {slow['steps_per_s']:.2f} | "
+                     f"{slow['steps_per_s'] / free['steps_per_s']:.1%} | {slow['link_wait_s']:.2f} | "
+                     f"{free['final_loss']:.4f} | {slow['same_losses']} |")
     return "\n".join(lines)

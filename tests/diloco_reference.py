@@ -16,18 +16,23 @@ def diloco_reference(program, *, seed: int, shards: int, replicas: int, steps: i
                      outer_lr: float = 0.3, outer_momentum: float = 0.9,
                      active: Optional[Callable[[int, int], bool]] = None,
                      joins_from: Optional[Callable[[int, int], Optional[int]]] = None,
-                     fragments: int = 0, overlap: int = 0, alpha: float = 0.0):
+                     fragments: int = 0, overlap: int = 0, alpha: float = 0.0,
+                     averaged: Optional[Callable[[int, int], bool]] = None):
     """(final global params as numpy, per-step mean loss over the active
     replicas). `active(step, replica)`: whether the replica takes inner
     step `step` and, at a round's end, is averaged in (default: always);
     `joins_from(boundary, replica)`: the replica whose inner optimizer
     state a replica re-joining at `boundary` takes (None: it keeps its
-    own; under streaming it takes that replica's params too)."""
+    own; under streaming it takes that replica's params too);
+    `averaged(boundary, replica)`: whether its delta is averaged in at
+    `boundary` (default: active at the step before; a replica lost while
+    its synchronization moved may not be)."""
     import jax
     import jax.numpy as jnp
     import optax
 
     active = active or (lambda step, r: True)
+    averaged = averaged or (lambda b, r: active(b - 1, r))
     params0 = program.init_params(jax.random.PRNGKey(seed))
     opt, outer = program.optimizer, optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True)
     global_p, outer_state = params0, outer.init(params0)
@@ -91,7 +96,7 @@ def diloco_reference(program, *, seed: int, shards: int, replicas: int, steps: i
             frag = set(leaves_of[f])
             deltas = [[np.asarray(gp) - np.asarray(lp) if i in frag else np.zeros_like(np.asarray(gp))
                        for i, (gp, lp) in enumerate(zip(jax.tree.leaves(global_p), jax.tree.leaves(inner[r][0])))]
-                      for r in range(replicas) if active(k, r)]
+                      for r in range(replicas) if averaged(b, r)]
             mean = [sum(ds[1:], np.array(ds[0], copy=True)) / np.float32(len(deltas)) for ds in zip(*deltas)]
             mean = jax.tree.unflatten(jax.tree.structure(global_p), mean)
             updates, new_state = outer.update(mean, outer_state, global_p)
@@ -109,7 +114,7 @@ def diloco_reference(program, *, seed: int, shards: int, replicas: int, steps: i
                     inner[r] = list(inner[src])
             continue
         if b % period == 0 or b == steps:
-            taking = [r for r in range(replicas) if active(k, r)]
+            taking = [r for r in range(replicas) if averaged(b, r)]
             deltas = [jax.tree.map(lambda gp, lp: np.asarray(gp) - np.asarray(lp), global_p, inner[r][0]) for r in taking]
             acc = jax.tree.map(lambda a: np.array(a, copy=True), deltas[0])
             for d in deltas[1:]:

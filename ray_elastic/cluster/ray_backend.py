@@ -210,6 +210,31 @@ class RayBackend:
         self.locator.started(live, boundary)
         return self.diloco.synchronize(boundary, since, live, replicas, deadline_s, on_issued, fragment)
 
+    def start_sync(self, boundary: int, slices: Sequence[int], replicas: Mapping[int, int], deadline_s: float,
+                   on_issued: Callable[..., None], fragment: int) -> None:
+        """Issue a fragment's synchronization, overlapped with the inner
+        steps that follow (DilocoRunner.start); `finish_sync` gathers it."""
+        live = self._live(slices)
+        self.locator.started(live, boundary)
+        self.diloco.start(boundary, live, replicas, deadline_s, on_issued, fragment)
+
+    def finish_sync(self, slices: Sequence[int]) -> Optional[tuple]:
+        """The synchronization `start_sync` issued, gathered: (replicas
+        averaged, bytes moved, inner steps overlapped); None where it must run again
+        (`synchronize`), given up on: a slice left or joined since, or a
+        call was re-issued. A slice lost in it raises its failure."""
+        pending, live = self.diloco.pending, self._live(slices)
+        if pending is None:
+            return None
+        if set(slices) != pending.slices:
+            self.diloco.drop(live)
+            return None
+        return self.diloco.finish(live)
+
+    def drop_sync(self, slices: Sequence[int]) -> None:
+        """Give up on the synchronization `start_sync` issued (if any)."""
+        self.diloco.drop(self._live(slices))
+
     def adopt(self, slices: Sequence[int], donor: int, boundary: int, deadline_s: float) -> None:
         """`slices` take `donor`'s global params and outer state (a joiner
         at a round's start, which loaded the donor's state: under Streaming

@@ -28,6 +28,7 @@ membership it is given.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Optional
 
 from ray_elastic.checkpoint.config import CheckpointConfig
@@ -61,6 +62,10 @@ class Rounds:
         self.round_start = 0  # the step the current round started at (its global params')
         self._round_states: dict[int, object] = {}  # replica -> its state at round_start (pause)
         self._outer_copies: list = []  # (ref, its nodes) of the global params and outer state at round_start (pause)
+        # Streaming DiLoCo with an overlap: the fragment synchronization in
+        # flight while the next inner steps run (`synchronize`).
+        self._pending: Optional[_Pending] = None
+        self._members: Optional[Membership] = None  # the run's (`saves`)
         # Durable checkpoints (diloco_saves.py), with a CheckpointConfig.
         self.checkpoints = None
         if self.on and checkpoint is not None:
@@ -73,7 +78,10 @@ class Rounds:
         return self.checkpoints.preflight() if self.checkpoints is not None else None
 
     def saves(self, members: Membership):
-        """The DiLoCo run's saves (what the controller calls as it calls saves.py's); None without."""
+        """The DiLoCo run's saves (what the controller calls as it calls
+        saves.py's); None without. Binds the run's membership, whose live
+        slices `owed` compares with an overlapped synchronization's."""
+        self._members = members
         return self.checkpoints.bind(self, members) if self.checkpoints is not None else None
 
     def round_state_refs(self, node_alive=lambda node: True) -> dict:
@@ -103,8 +111,17 @@ class Rounds:
         return step > 0 and (step % self._period == 0 or step == self._steps)
 
     def owed(self, step: int) -> bool:
-        """Whether the live slices must synchronize before going on from `step`."""
-        return self.on and self.boundary(step) and self.round_start < step
+        """Whether the live slices must synchronize before going on from
+        `step`: a round ends, or the synchronization in flight must be
+        gathered (its fragment is mixed in at `step`) or run again (a
+        slice left or joined since it was issued)."""
+        if not self.on:
+            return False
+        p = self._pending
+        if self.boundary(step) and (p.boundary if p is not None else self.round_start) < step:
+            return True
+        return p is not None and (step >= p.boundary + self._spec.overlap
+                                  or (self._members is not None and set(self._members.live) != p.slices))
 
     def may_join(self, step: int) -> bool:
         """Whether ready slices may join at `step`: under resize only at a
@@ -112,30 +129,82 @@ class Rounds:
         return not self.on or self._policy == "pause" or step == self.round_start
 
     def synchronize(self, step: int, members: Membership, deadline_s: float) -> None:
+        """What `owed` asked for at `step`: the synchronization in flight
+        gathered (or run again), then the round's end at `step`, if it is
+        one. Under Streaming DiLoCo with an overlap a fragment's
+        synchronization is issued and the run goes on: the inner steps
+        until its fragment is mixed in run while it moves."""
         live = sorted(members.live)
+        fire = self._faults(step, members)
+        if self._pending is not None:
+            self.settle(deadline_s, fire)
+            if not (self.boundary(step) and self.round_start < step):
+                return
+        # Streaming: this step's fragment; the run's last synchronization takes them all.
+        fragment = self._spec.synced_after(step) if step < self._steps else None
         # A synchronization moves a whole state's deltas: its deadline is
         # at least the first step's, never the inner steps' (no exchange).
+        deadline_s = max(deadline_s, self._sync_deadline_s)
+        # Not where a slice waits to join (resize): it joins once the round's start is synchronized.
+        joiner = self._policy != "pause" and members.ready and len(live) < self._replicas_n
+        if fragment is not None and self._spec.overlap and not joiner:
+            # The states of the round's start (pause), made before any
+            # overlapped step runs; kept once the synchronization is in.
+            states = members.backend.round_states(live) if self._policy == "pause" else None
+            members.backend.start_sync(step, live, self.replica_map(live), deadline_s, fire, fragment)
+            self._pending = _Pending(step, fragment, self.round_start, frozenset(live), states)
+            return
+        took, moved = members.backend.synchronize(step, self.round_start, live, self.replica_map(live), deadline_s,
+                                                  fire, **({"fragment": fragment} if fragment is not None else {}))
+        self._synced(step, fragment, took, moved, members)
+
+    def settle(self, deadline_s: float, fire=lambda phase="sync": None) -> None:
+        """Gather the synchronization in flight, or run it again among the
+        live slices if a slice left or joined since (their deltas of its
+        boundary are kept: worker/diloco.py); none in flight: nothing."""
+        p, members = self._pending, self._members
+        if p is None:
+            return
+        live = sorted(members.live)
+        done = members.backend.finish_sync(live)
+        if done is None:
+            done = members.backend.synchronize(p.boundary, p.since, live, self.replica_map(live),
+                                               max(deadline_s, self._sync_deadline_s), fire, fragment=p.fragment)
+        self._pending = None
+        states = None
+        if p.states is not None:  # the joiners' states now are those of the boundary (`join`)
+            states = {s: c for s, c in p.states.items() if s in members.live}
+            states.update(members.backend.round_states([s for s in live if s not in states]) if len(states) < len(live) else {})
+        self._synced(p.boundary, p.fragment, *done[:2], members, states, *done[2:])
+
+    def _faults(self, step: int, members: Membership):
         def fire(phase: str = "sync") -> None:
             for fired in self._injector.fire_due(step, members.hosts(), phase) if self._injector else ():
                 self._emit("fault", kind=fired.fault.kind, slice=fired.fault.slice_id, host=fired.fault.host,
                            step=step, phase=phase)
+        return fire
 
-        # Streaming: this step's fragment; the run's last synchronization takes them all.
-        fragment = self._spec.synced_after(step) if step < self._steps else None
-        took, moved = members.backend.synchronize(step, self.round_start, live, self.replica_map(live),
-                                                  max(deadline_s, self._sync_deadline_s), fire,
-                                                  **({"fragment": fragment} if fragment is not None else {}))
+    def _synced(self, step: int, fragment: Optional[int], took, moved: int, members: Membership,
+                states: Optional[dict] = None, overlapped: Optional[int] = None) -> None:
+        """The synchronization at `step` is in: the round starts there.
+        `overlapped`: the inner steps every replica took while it moved."""
+        live = sorted(members.live)
+        lost = sorted(set(range(self._replicas_n)) - set(took)) if took is not None else []
         self._emit("diloco_sync", step=step, replicas=took if took is not None else "adopted", slices=live,
-                   bytes_across_slices=moved, **({"fragment": fragment} if fragment is not None else {}), **({"lost": sorted(set(range(self._replicas_n)) - set(took))}
-                                                 if took is not None and len(took) < self._replicas_n else {}))
+                   bytes_across_slices=moved, **({"fragment": fragment} if fragment is not None else {}),
+                   **({"lost": lost} if lost else {}), **({"overlapped_steps": overlapped} if overlapped is not None else {}))
         self.round_start = step
         if step < self._steps and self._policy == "pause":  # the round's start, for a replacement to recompute from
-            self.keep_round_states({self.replicas[s]: c for s, c in members.backend.round_states(live).items()})
+            states = states if states is not None else members.backend.round_states(live)
+            self.keep_round_states({self.replicas[s]: c for s, c in states.items()})
             self._outer_copies = members.backend.outer_copies(live)
 
     def restart(self, step: int) -> None:
         """The run went back to `step` with no live slice: a fresh start,
         or this round's start (its kept states stay, for the next failure)."""
+        if self._pending is not None:  # its slices are all lost
+            self._pending = None
+            self._members.backend.drop_sync([])
         if step != self.round_start or step == 0:
             self._round_states, self._outer_copies = {}, []
         self.round_start = step
@@ -197,6 +266,11 @@ class Rounds:
                 return True
             # Pause: an outer step a failure left applied on some hosts
             # is taken back: the round ends again with every replica.
+            # One in flight (overlapped) is given up first: the joiners
+            # recompute up to its boundary, and it runs again with them.
+            pending = self._pending
+            if pending is not None:
+                backend.drop_sync(live)
             undone = backend.undo_sync(live, self.round_start, deadline_s)
             if undone:
                 self._emit("diloco_sync_undone", step=self.round_start, hosts=undone)
@@ -211,9 +285,15 @@ class Rounds:
                 if not members.join([s], source):
                     return False
                 self.replicas[s] = r
-                backend.catch_up(s, donor, range(self.round_start, step), self.shards_of(r),
-                                 deadline_s * max(1, step - self.round_start))
+                upto = pending.boundary if pending is not None else step
+                backend.catch_up(s, donor, range(self.round_start, upto), self.shards_of(r),
+                                 deadline_s * max(1, upto - self.round_start))
                 self._emit("diloco_caught_up", slice=s, replica=r, steps=step - self.round_start)
+            if pending is not None:  # its boundary synchronized with every replica, the joiners go on to `step`
+                self.settle(deadline_s)
+                for s, r in taken.items():
+                    backend.catch_up(s, donor, range(pending.boundary, step), self.shards_of(r),
+                                     deadline_s * max(1, step - pending.boundary))
         except SliceFailure as f:
             joined = [s for s in taken if s in members.live]
             if f.slice_id in taken:
@@ -233,3 +313,16 @@ class Rounds:
             taken = {self.replicas[t] for t in live if t in self.replicas}
             self.replicas[s] = min(r for r in range(self._replicas_n) if r not in taken)
         return {s: self.replicas[s] for s in sorted(live)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Pending:
+    """A fragment's synchronization in flight (`Rounds.synchronize`): its
+    boundary, fragment, the round's start before it, the slices it was
+    issued on, and (pause) their states of the boundary, kept once it is in."""
+
+    boundary: int
+    fragment: int
+    since: int
+    slices: frozenset
+    states: Optional[dict]

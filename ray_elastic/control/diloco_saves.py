@@ -140,6 +140,7 @@ class DilocoCheckpoints:
     def save(self, step: int, timeout_s: float = 600.0) -> None:
         t0 = time.perf_counter()
         rounds, backend = self.rounds, self.members.backend
+        rounds.settle(timeout_s)  # a synchronization in flight is in first: the global params are those of a boundary
         live = sorted(self.members.live)
         inner_t, outer_t = self._templates()
 

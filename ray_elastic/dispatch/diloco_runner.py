@@ -12,6 +12,7 @@ replicas that took part. Failures surface as the StepRunner's
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
@@ -24,7 +25,7 @@ from ray_elastic.dispatch.tree import refs_of
 from ray_elastic.errors import SliceFailure
 from ray_elastic.dispatch.outer_spec import OuterSpec
 
-__all__ = ["DilocoRunner", "replica_mean"]
+__all__ = ["DilocoRunner", "Pending", "SyncCalls", "replica_mean"]
 
 
 def replica_mean(metrics: Mapping, replicas: Mapping[int, int]) -> dict:
@@ -48,18 +49,23 @@ class DilocoRunner:
         self.blocks = blocks  # the configured replica count: replica r is block r
         self._clock = clock
         self.bytes_synced = 0  # delta bytes every synchronization moved, summed (exchange counters have them per host)
+        self.pending: Optional[Pending] = None  # a synchronization overlapped with inner steps (`start`)
 
     def inner(self, k: int, live: Mapping, assignment: Mapping[int, tuple], replicas: Mapping[int, int],
               deadline_s: float, on_issued: Callable[..., None]) -> StepResult:
         """Inner step k on every live slice, each on its replica's shards.
         A slice lost in it raises its SliceFailure once the survivors'
-        steps are done: theirs need nothing of it, so they hold k + 1."""
+        steps are done: theirs need nothing of it, so they hold k + 1.
+        The first step after an overlapped synchronization's boundary waits
+        for its host's delta (made from the params of the boundary)."""
         wait = Deadline.after(self._clock(), deadline_s)
+        first = self.pending.deltas if self.pending is not None and self.pending.boundary == k else {}
         calls = []
         for s in sorted(live):
             for h, w in enumerate(live[s].workers):
-                def call(w=w, s=s):
-                    return w.inner_step.options(concurrency_group="compute").remote(k, tuple(assignment[s]), self.spec)
+                def call(w=w, s=s, after=tuple(first.get((s, h), ()))):
+                    return w.inner_step.options(concurrency_group="compute").remote(k, tuple(assignment[s]), self.spec,
+                                                                                    *after)
                 calls.append(Call(s, h, call(), call))
         on_issued()
         try:
@@ -95,57 +101,130 @@ class DilocoRunner:
             return None, 0
         if any(v != since for v in synced.values()):
             self._on_hosts(live, order, boundary, wait, lambda w: w.diloco_synced.remote(since))
-        plan = ExchangePlan(chunks=1 if len(order) <= 2 else min(len(order), MAX_CHUNKS), blocks=self.blocks,
-                            shards=tuple(sorted(replicas[s] for s in order)), fan_in=self.runner.fan_in)
-        payloads: dict = {}
         issued: list = []
         try:
-            deltas = []
-            for s in order:
-                for h, w in enumerate(live[s].workers):
-                    def call(w=w, s=s, h=h):
-                        status, *chunks = w.diloco_delta.options(num_returns=1 + plan.chunks, concurrency_group="compute").remote(
-                            boundary, replicas[s], plan, self.spec, fragment)
-                        payloads.setdefault(s, {})[h] = tuple(chunks)
-                        return status
-                    deltas.append(Call(s, h, call(), call, lambda s=s, h=h: payloads[s][h]))
+            deltas, payloads = self._deltas(boundary, live, replicas, fragment)
             issued += deltas
             self.runner.gather(deltas, boundary, wait, live)
             # Issued once every delta is in: a re-issued one's chunks are the ones summed.
-            reduces, tops = issue_exchange(self.runner, boundary, live, sources_of(payloads), plan, senders(live[order[0]]))
-            issued += reduces
-            summed = self.runner.gather(reduces, boundary, wait, live)
-            applies = []
-            for s in order:
-                own = per_host(live[s])
-                for h, w in enumerate(live[s].workers):
-                    def apply(w=w, h=h, own=own):
-                        return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])),
-                                                     self.runner.epoch, fragment)
-                    applies.append(Call(s, h, apply(), apply))
-            issued += applies
+            calls = self._exchange(boundary, live, payloads, replicas, fragment, deltas, issued)
+            summed = self.runner.gather(calls.reduces, boundary, wait, live)
             on_issued("sync")  # where injected faults of phase "sync" fire
-            replies = self.runner.gather(applies, boundary, wait, live)
+            replies = self.runner.gather(calls.applies, boundary, wait, live)
         except SliceFailure as f:
-            self._give_up(f.slice_id, issued, live, boundary)
+            self._give_up({f.slice_id}, issued, live, boundary)
             raise
+        return self._moved(summed, replies, order)
+
+    def _plan(self, live: Mapping, replicas: Mapping[int, int]) -> ExchangePlan:
+        return ExchangePlan(chunks=1 if len(live) <= 2 else min(len(live), MAX_CHUNKS), blocks=self.blocks,
+                            shards=tuple(sorted(replicas[s] for s in live)), fan_in=self.runner.fan_in)
+
+    def _deltas(self, boundary: int, live: Mapping, replicas: Mapping[int, int], fragment: Optional[int]) -> tuple:
+        """Each host's delta call (Calls) and its chunks (slice -> {host: refs})."""
+        plan = self._plan(live, replicas)
+        payloads: dict = {}
+        deltas = []
+        for s in sorted(live):
+            for h, w in enumerate(live[s].workers):
+                def call(w=w, s=s, h=h):
+                    status, *chunks = w.diloco_delta.options(num_returns=1 + plan.chunks, concurrency_group="compute").remote(
+                        boundary, replicas[s], plan, self.spec, fragment)
+                    payloads.setdefault(s, {})[h] = tuple(chunks)
+                    return status
+                deltas.append(Call(s, h, call(), call, lambda s=s, h=h: payloads[s][h]))
+        return deltas, payloads
+
+    def _exchange(self, boundary: int, live: Mapping, payloads: dict, replicas: Mapping[int, int],
+                  fragment: Optional[int], deltas: list, issued: list) -> "SyncCalls":
+        """The exchange over the deltas' chunks and each host's outer apply
+        (Ray runs each once its inputs are in), appended to `issued`."""
+        order = sorted(live)
+        reduces, tops = issue_exchange(self.runner, boundary, live, sources_of(payloads), self._plan(live, replicas),
+                                       senders(live[order[0]]))
+        issued += reduces
+        applies = []
+        for s in order:
+            own = per_host(live[s])
+            for h, w in enumerate(live[s].workers):
+                def apply(w=w, h=h, own=own):
+                    return w.diloco_outer.remote(boundary, self.spec, list(refs_of(tops[h if own else 0])),
+                                                 self.runner.epoch, fragment)
+                applies.append(Call(s, h, apply(), apply))
+        issued += applies
+        return SyncCalls(deltas, reduces, applies)
+
+    def _moved(self, summed: Mapping, replies: Mapping, order: list) -> tuple:
+        """(the replicas the outer step averaged, the bytes that crossed slices)."""
         moved = sum(r.get("bytes_in", 0) for r in [*summed.values(), *replies.values()])
         self.bytes_synced += moved
         return replies[(order[0], 0)]["replicas"], moved
 
-    def _give_up(self, lost: int, issued: list, live: Mapping, boundary: int) -> None:
-        """A synchronization lost a slice: the survivors' calls still
-        waiting for an input stop (they change nothing), the others end;
-        then each host has applied the outer step or not, and the next try
-        sorts them (`synchronize`). Every reply is read once done."""
+    # -- a synchronization overlapped with inner steps (Streaming DiLoCo) --
+
+    def start(self, boundary: int, live: Mapping, replicas: Mapping[int, int], deadline_s: float,
+              on_issued: Callable[..., None], fragment: int) -> None:
+        """Issue fragment `fragment`'s synchronization at `boundary` and
+        return: the inner steps up to `boundary + overlap` run while it
+        moves (the first waits for its host's delta). `finish` gathers it."""
+        deltas, payloads = self._deltas(boundary, live, replicas, fragment)
+        issued: list = list(deltas)
+        calls = self._exchange(boundary, live, payloads, replicas, fragment, deltas, issued)
+        self.pending = Pending(boundary, fragment, frozenset(live), calls, issued, self.runner.reissued,
+                               Deadline.after(self._clock(), deadline_s),
+                               {(c.slice_id, c.host): [c.ref] for c in calls.deltas})
+        on_issued("sync")
+
+    def finish(self, live: Mapping) -> Optional[tuple]:
+        """Gather the synchronization `start` issued, its slices all live:
+        (replicas averaged, bytes moved, the inner steps every replica took
+        while it moved), or None where it must run again
+        (a call was re-issued, so a later one's input is void); a slice
+        lost in it raises its failure, the rest given up on (`drop`)."""
+        p, order = self.pending, sorted(live)
+        try:
+            self.runner.gather(p.calls.deltas, p.boundary, p.wait, live)
+            summed = self.runner.gather(p.calls.reduces, p.boundary, p.wait, live)
+            replies = self.runner.gather(p.calls.applies, p.boundary, p.wait, live)
+        except SliceFailure as f:
+            self.drop(live, lost={f.slice_id})
+            raise
+        if self.runner.reissued != p.reissued:
+            self.drop(live)
+            return None
+        self.pending = None
+        # The inner steps every replica had taken past the boundary when its outer step applied.
+        ran = min((r["at_step"] for r in replies.values() if "at_step" in r), default=p.boundary) - p.boundary
+        return (*self._moved(summed, replies, order), ran)
+
+    def drop(self, live: Mapping, lost: frozenset = frozenset()) -> None:
+        """Give up on the synchronization `start` issued (a slice was lost
+        since, or it must run again): the calls of the live slices still
+        waiting for an input stop; `synchronize` then sorts every host
+        out, applied or not. Later calls get the next epoch."""
+        p, self.pending = self.pending, None
+        if p is not None:
+            self._give_up(set(p.slices - set(live)) | set(lost), p.issued, live, p.boundary, next_epoch=True)
+
+    def _give_up(self, lost: set, issued: list, live: Mapping, boundary: int, next_epoch: bool = False) -> None:
+        """A synchronization lost slices (or must run again): the others'
+        calls still waiting for an input stop (they change nothing), the
+        rest end; then each host has applied the outer step or not, and
+        the next try sorts them (`synchronize`). Every reply is read once
+        done. `next_epoch`: the next try's calls get a new epoch (where no
+        failure's recovery gives them one), so this abort spares them."""
+        epoch = self.runner.epoch
+        if next_epoch:
+            self.runner.epoch += 1
         for s in sorted(live):
-            if s != lost:
+            if s not in lost:
                 for w in live[s].workers:
-                    w.abort_waits.options(concurrency_group="control").remote(self.runner.epoch, boundary)
-        rest = [c.ref for c in issued if c.slice_id != lost]
+                    w.abort_waits.options(concurrency_group="control").remote(epoch, boundary)
+        rest = [c.ref for c in issued if c.slice_id not in lost]
         ray.wait(rest, num_returns=len(rest), timeout=30.0)
         for c in issued:
             self.runner.unread.add(c.ref, c.others())
+
 
     def _on_hosts(self, live: Mapping, order: list, k: int, wait: Deadline, fn: Callable) -> dict:
         """(slice, host) -> fn(worker)'s reply, on every host of the slices in `order`."""
@@ -175,3 +254,29 @@ class DilocoRunner:
                     return w.inner_step.options(concurrency_group="compute").remote(k, shards, self.spec)
                 calls.append(Call(slice_id, h, call(), call))
             self.runner.gather(calls, k, wait, {slice_id: live[slice_id]})
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncCalls:
+    """A synchronization's calls, by phase."""
+
+    deltas: list
+    reduces: list
+    applies: list
+
+
+@dataclasses.dataclass(frozen=True)
+class Pending:
+    """A synchronization issued, not yet gathered (`DilocoRunner.start`):
+    its boundary, fragment, slices, calls (by phase, and all as issued),
+    the re-issue count then, its deadline, and each host's delta status
+    ref, which that host's first inner step after the boundary waits for."""
+
+    boundary: int
+    fragment: int
+    slices: frozenset
+    calls: SyncCalls
+    issued: list
+    reissued: int
+    wait: Deadline
+    deltas: dict

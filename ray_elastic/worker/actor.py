@@ -325,7 +325,12 @@ class SliceWorker:
         (refs, fetched here); idempotent for a boundary already synchronized."""
         parts = self._inputs(parts, epoch, boundary)
         with self._held.lock:
-            return self._steps.outer_apply(boundary, parts, spec, fragment)
+            reply = self._steps.outer_apply(boundary, parts, spec, fragment)
+        if "apply_s" in reply:  # applied now: its inputs are counted (a simulated link waited for) off the
+            # lock, so the inner steps it overlaps run meanwhile, as they would while the bytes come in
+            reply["bytes_in"] = self._exchange.gathered(parts, reply.pop("apply_s"))
+            reply["at_step"] = self._held.step  # the inner steps taken meanwhile (a read: no lock needed)
+        return reply
 
     def hold_copy(self, value: Any) -> Any:
         """`value` (another slice's state, a ref Ray fetched here) back:

@@ -47,10 +47,21 @@ class OuterState:
         self._spec: Optional[OuterSpec] = None
         self._fns: Any = None  # (delta, outer update, copy), jitted once the spec is known
         # What the last outer step replaced, (global params, state, synced,
-        # the replica's params), until the next inner step: a step that
-        # some hosts of the run applied and others did not (a slice lost
-        # mid-synchronization) is taken back before it runs again (`undo`).
+        # the replica's params; None where it left them), until an inner
+        # step settles it: a step that some hosts of the run applied and
+        # others did not (a slice lost mid-synchronization) is taken back
+        # before it runs again (`undo`).
         self._before: Optional[tuple] = None
+        # The first inner step that settles it: the next one, but for a
+        # Streaming DiLoCo fragment whose new global leaves are mixed in
+        # `overlap` steps later; the driver gathers the synchronization
+        # only then, so until then it may still be taken back.
+        self._settles_at = 0
+        # (boundary, fragment, delta) of the last fragment synchronization
+        # with an overlap: the inner steps it overlaps move the params, so
+        # a synchronization run again (a slice lost meanwhile) sends the
+        # delta as it was at the boundary.
+        self._sent: Optional[tuple] = None
 
     @property
     def started(self) -> bool:
@@ -91,6 +102,20 @@ class OuterState:
         g, p = jax.tree.leaves(self.global_params), jax.tree.leaves(params)
         return dict(zip(leaves, self._jitted(spec)[0]([g[i] for i in leaves], [p[i] for i in leaves])))
 
+    def delta_at(self, params: Any, spec: OuterSpec, boundary: int, step: int, fragment: Optional[int],
+                 leaves: Optional[tuple], who: str) -> Any:
+        """`delta`'s at round boundary `boundary`, the replica at inner step
+        `step`. A fragment's with an overlap is kept: the inner steps it
+        overlaps move the params, and a synchronization run again (a
+        slice lost meanwhile) sends it as it was at the boundary."""
+        if step == boundary:
+            d = self.delta(params, spec, leaves)
+            self._sent = (boundary, fragment, d) if leaves is not None and spec.overlap else None
+            return d
+        if self._sent is None or self._sent[:2] != (boundary, fragment) or not boundary < step <= boundary + spec.overlap:
+            raise RuntimeError(f"{who} holds step {step}, asked to synchronize at {boundary}")
+        return self._sent[2]
+
     def _apply_fragment(self, mean: dict, spec: OuterSpec) -> None:
         """The outer step over the leaves of `mean` ({leaf index: mean
         delta}) alone, with their share of the outer state: the optimizer
@@ -130,26 +155,30 @@ class OuterState:
         replica's own leaves stay but for the fragment's, mixed in now
         unless they are due `overlap` steps later."""
         _, outer, copy, _, _ = self._jitted(spec)
-        self._before = (self.global_params, self.state, self.synced, params)
+        later = fragment and spec.overlap  # mixed in before inner step boundary + overlap (SliceSteps.local_step)
+        self._before = (self.global_params, self.state, self.synced, None if later else params)
+        self._settles_at = boundary + (spec.overlap if later else 0)
         self.synced = boundary
         if fragment:
             self._apply_fragment(mean_delta, spec)
-            return params if spec.overlap else self.mix(params, spec, tuple(sorted(mean_delta)))
+            return params if later else self.mix(params, spec, tuple(sorted(mean_delta)))
         self.global_params, self.state = outer(self.global_params, self.state, mean_delta)
         return copy(self.global_params)
 
-    def undo(self, to: int) -> Optional[Any]:
-        """Take back the last outer step if it moved `synced` past `to`;
-        returns the replica's params from before it (None: nothing taken back)."""
+    def undo(self, to: int) -> tuple[bool, Optional[Any]]:
+        """Take back the last outer step if it moved `synced` past `to`:
+        (whether it did, the replica's params from before it; None where
+        the step left them as they were)."""
         if self.synced == to or self._before is None or self._before[2] != to:
-            return None
+            return False, None
         self.global_params, self.state, self.synced, params = self._before
         self._before = None
-        return params
+        return True, params
 
-    def settled(self) -> None:
-        """An inner step ran after the last outer step: it is never taken back."""
-        self._before = None
+    def settled(self, step: int) -> None:
+        """Inner step `step` runs: an outer step it settles is never taken back."""
+        if step >= self._settles_at:
+            self._before = None
 
     def global_copy(self, spec: OuterSpec) -> Any:
         return self._jitted(spec)[2](self.global_params)

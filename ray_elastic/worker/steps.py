@@ -361,7 +361,7 @@ class SliceSteps:
             return done
         if not self.outer.started:  # the run's first round starts from the step-0 state
             self.outer.start(held.params, spec, step)
-        self.outer.settled()
+        self.outer.settled(step)
         due = spec.mixed_before(step)  # Streaming DiLoCo: a fragment synchronized `overlap` steps ago
         if due is not None:
             held.params = self.outer.mix(held.params, spec, self._fragment(spec, due))
@@ -407,11 +407,9 @@ class SliceSteps:
         import jax
 
         held, layout = self._held, self._layout
-        if held.step != boundary:
-            raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
         speaks = layout.sharded or self._host == 0
         leaves = self._fragment(spec, fragment)
-        d = self.outer.delta(held.params, spec, leaves)
+        d = self.outer.delta_at(held.params, spec, boundary, held.step, fragment, leaves, f"slice {self._slice_id}")
         out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}}
         if speaks:
             if leaves is not None:  # {leaf index: delta}: the blocks keyed by the params' own leaf indices
@@ -441,7 +439,9 @@ class SliceSteps:
         held, layout = self._held, self._layout
         if self.outer.synced == boundary:
             return {"synced": boundary, "replicas": None, "bytes_in": 0}
-        if held.step != boundary:
+        # A fragment mixed in `overlap` steps later is applied as those steps run: the params stay.
+        later = fragment is not None and spec.overlap
+        if not (boundary <= held.step <= boundary + spec.overlap if later else held.step == boundary):
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
         t0 = time.perf_counter()
         leaves = self._fragment(spec, fragment)
@@ -460,9 +460,9 @@ class SliceSteps:
         else:
             mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
         held.params = self.outer.apply(mean, spec, boundary, held.params, leaves is not None)
-        held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
-        taken = self._exchange.gathered(parts, time.perf_counter() - t0)
-        return {"synced": boundary, "replicas": sorted(total["weight"]), "bytes_in": taken}
+        if not later:
+            held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
+        return {"synced": boundary, "replicas": sorted(total["weight"]), "apply_s": time.perf_counter() - t0}
 
     def _fragment_template(self, leaves: Optional[tuple]) -> Optional[tuple]:
         """The gradient template (`_grad_template`'s form) of a fragment's
@@ -508,10 +508,10 @@ class SliceSteps:
     def undo_outer(self, to: int) -> int:
         """Take back an outer step past boundary `to` (worker/diloco.py's
         `undo`); returns the boundary held after. The caller holds the lock."""
-        params = self.outer.undo(to)
+        taken, params = self.outer.undo(to)
         if params is not None:
             self._held.params = params
-            self._held.generation += 1
+        self._held.generation += taken
         return self.outer.synced
 
     def load_outer(self, copy, spec: OuterSpec) -> int:
