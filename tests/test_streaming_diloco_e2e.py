@@ -154,6 +154,22 @@ def test_pause_kill_mid_synchronization(nodes, free, lm_factory):
     assert report.losses[6] != free[1].losses[6]
 
 
+def test_pause_kill_in_an_overlapped_step_with_a_save_due(nodes, free, lm_factory, tmp_path):
+    """Replica 1 is killed in inner step 6, which runs beside fragment 1's
+    synchronization at step 6, and a checkpoint is due at step 7: it is
+    not written (that synchronization must end with every replica first,
+    and replica 1's replacement has not joined), the spare recomputes the
+    round, the synchronization runs again with both: bitwise the
+    failure-free run."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=2, spare_slices=1), faults=[Fault("kill", 1, 6)],
+                                   checkpoint=CheckpointConfig(str(tmp_path / "ckpt"), save_every=7, save_at_end=False))
+    failed = [e for e in events if e["event"] == "checkpoint_failed"]
+    assert [e["step"] for e in failed] == [7] and "replacement has joined" in failed[0]["reason"], failed
+    assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[6] == [0, 1]
+    assert _equal(trainer, free[0])
+
+
 def test_fsdp_slices_of_two_hosts(nodes):
     """Each replica an fsdp-sharded slice of 2 hosts: a fragment's blocks
     cross slices host by host, and the run equals the plain loop."""

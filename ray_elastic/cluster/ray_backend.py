@@ -283,12 +283,13 @@ class RayBackend:
             on_hosts(past, lambda w: w.diloco_synced.remote(since))
         return len(past)
 
-    def round_states(self, slices: Sequence[int]) -> dict:
+    def round_states(self, slices: Sequence[int], only: Optional[Sequence[int]] = None) -> dict:
         """slice -> copies of its state now, each (ref, the nodes it lies
         on): the slice's own (a tuple of refs, one per host, under a
         sharded layout), made on the `compute` thread between inner
         steps, and one on the next slice's nodes (host i on host i), so a
-        replica's round start outlives its node. Owned by the driver."""
+        replica's round start outlives its node. Owned by the driver.
+        `only`: of these slices alone (the next slice still among all)."""
         def own(s):
             sl = self._up[s]
             refs = [w.flat_state.options(concurrency_group="compute").remote() for w in sl.workers[:len(sl.workers) if sl.per_host else 1]]
@@ -297,6 +298,8 @@ class RayBackend:
         order = sorted(slices)
         out = {}
         for i, s in enumerate(order):
+            if only is not None and s not in only:
+                continue
             ref = own(s)
             copies = [(ref, tuple(h["node_id"] for h in self.hosts(s)))]
             if len(order) > 1:

@@ -137,7 +137,7 @@ class Rounds:
         live = sorted(members.live)
         fire = self._faults(step, members)
         if self._pending is not None:
-            self.settle(deadline_s, fire)
+            self.settle(step, deadline_s)
             if not (self.boundary(step) and self.round_start < step):
                 return
         # Streaming: this step's fragment; the run's last synchronization takes them all.
@@ -158,24 +158,34 @@ class Rounds:
                                                   fire, **({"fragment": fragment} if fragment is not None else {}))
         self._synced(step, fragment, took, moved, members)
 
-    def settle(self, deadline_s: float, fire=lambda phase="sync": None) -> None:
+    def settle(self, step: int, deadline_s: float, whole: bool = False) -> bool:
         """Gather the synchronization in flight, or run it again among the
         live slices if a slice left or joined since (their deltas of its
-        boundary are kept: worker/diloco.py); none in flight: nothing."""
+        boundary are kept: worker/diloco.py); none in flight: nothing.
+        `step`: the run's, which a failure found here is reported at.
+        `whole` (a save): under pause, not among fewer replicas than it was
+        issued to, whose replacement has yet to join: False then."""
         p, members = self._pending, self._members
         if p is None:
-            return
+            return True
         live = sorted(members.live)
-        done = members.backend.finish_sync(live)
-        if done is None:
-            done = members.backend.synchronize(p.boundary, p.since, live, self.replica_map(live),
-                                               max(deadline_s, self._sync_deadline_s), fire, fragment=p.fragment)
+        if whole and self._policy == "pause" and not p.slices <= set(live):
+            return False
+        try:
+            done = members.backend.finish_sync(live)
+            if done is None:
+                done = members.backend.synchronize(p.boundary, p.since, live, self.replica_map(live),
+                                                   max(deadline_s, self._sync_deadline_s), fragment=p.fragment)
+        except SliceFailure as f:  # found at the run's step, not the boundary's, which the run is past
+            raise f.replace(step=step) from None
         self._pending = None
         states = None
-        if p.states is not None:  # the joiners' states now are those of the boundary (`join`)
+        if p.states is not None:  # a joiner's state now is that of the boundary (`join`)
             states = {s: c for s, c in p.states.items() if s in members.live}
-            states.update(members.backend.round_states([s for s in live if s not in states]) if len(states) < len(live) else {})
+            if len(states) < len(live):
+                states.update(members.backend.round_states(live, only=[s for s in live if s not in states]))
         self._synced(p.boundary, p.fragment, *done[:2], members, states, *done[2:])
+        return True
 
     def _faults(self, step: int, members: Membership):
         def fire(phase: str = "sync") -> None:
@@ -256,7 +266,7 @@ class Rounds:
         missing = [r for r in range(self._replicas_n) if r not in replicas.values()]
         taken = dict(zip(sorted(new), missing))
         donor = min(live, key=lambda s: replicas[s])  # the live replica with the lowest id
-        backend = members.backend
+        backend, pending = members.backend, self._pending
         try:
             if self._policy != "pause":  # resize: at a round's start, from the donor's state (its params: the global ones but under streaming)
                 if not members.join(list(taken), StateSource("live", step, backend.state(donor))):
@@ -268,9 +278,11 @@ class Rounds:
             # is taken back: the round ends again with every replica.
             # One in flight (overlapped) is given up first: the joiners
             # recompute up to its boundary, and it runs again with them.
-            pending = self._pending
             if pending is not None:
                 backend.drop_sync(live)
+                # A joiner's slice id may be a lost one's: its state of the boundary is void.
+                self._pending = pending = dataclasses.replace(
+                    pending, states={s: c for s, c in pending.states.items() if s not in taken})
             undone = backend.undo_sync(live, self.round_start, deadline_s)
             if undone:
                 self._emit("diloco_sync_undone", step=self.round_start, hosts=undone)
@@ -283,6 +295,8 @@ class Rounds:
                                     setting="policy")
                 source = StateSource("snapshot", self.round_start, starts[r]) if r in starts else StateSource("initial", 0)
                 if not members.join([s], source):
+                    if pending is not None:  # the others hold an earlier step than the run's
+                        self._unjoin([t for t in taken if t != s and t in members.live], members)
                     return False
                 self.replicas[s] = r
                 upto = pending.boundary if pending is not None else step
@@ -290,20 +304,27 @@ class Rounds:
                                  deadline_s * max(1, upto - self.round_start))
                 self._emit("diloco_caught_up", slice=s, replica=r, steps=step - self.round_start)
             if pending is not None:  # its boundary synchronized with every replica, the joiners go on to `step`
-                self.settle(deadline_s)
+                self.settle(step, deadline_s)
                 for s, r in taken.items():
                     backend.catch_up(s, donor, range(pending.boundary, step), self.shards_of(r),
                                      deadline_s * max(1, step - pending.boundary))
         except SliceFailure as f:
-            joined = [s for s in taken if s in members.live]
+            joined = [s for s in taken if s in members.live and s != f.slice_id]
             if f.slice_id in taken:
                 members.lose(f.slice_id)
+                if pending is not None:  # the others hold an earlier step than the run's
+                    self._unjoin(joined, members)
                 return False
-            for s in joined:  # ready again: they load anew at the next join
-                members.live.discard(s)
-                members.ready.add(s)
+            self._unjoin(joined, members)
             raise
         return True
+
+    @staticmethod
+    def _unjoin(slices: list, members: Membership) -> None:
+        """Joiners ready again: they load anew at the next join."""
+        for s in slices:
+            members.live.discard(s)
+            members.ready.add(s)
 
     def replica_map(self, live) -> Mapping[int, int]:
         """slice -> replica of the live slices; a slice that went live

@@ -140,7 +140,10 @@ class DilocoCheckpoints:
     def save(self, step: int, timeout_s: float = 600.0) -> None:
         t0 = time.perf_counter()
         rounds, backend = self.rounds, self.members.backend
-        rounds.settle(timeout_s)  # a synchronization in flight is in first: the global params are those of a boundary
+        # A synchronization in flight is in first: the global params are a boundary's.
+        if not rounds.settle(step, timeout_s, whole=True):
+            raise RuntimeError("a replica was lost while its synchronization moved; the step is saved once its "
+                               "replacement has joined")
         live = sorted(self.members.live)
         inner_t, outer_t = self._templates()
 

@@ -170,8 +170,7 @@ class DilocoRunner:
         deltas, payloads = self._deltas(boundary, live, replicas, fragment)
         issued: list = list(deltas)
         calls = self._exchange(boundary, live, payloads, replicas, fragment, deltas, issued)
-        self.pending = Pending(boundary, fragment, frozenset(live), calls, issued, self.runner.reissued,
-                               Deadline.after(self._clock(), deadline_s),
+        self.pending = Pending(boundary, fragment, frozenset(live), calls, issued, deadline_s,
                                {(c.slice_id, c.host): [c.ref] for c in calls.deltas})
         on_issued("sync")
 
@@ -182,14 +181,16 @@ class DilocoRunner:
         (a call was re-issued, so a later one's input is void); a slice
         lost in it raises its failure, the rest given up on (`drop`)."""
         p, order = self.pending, sorted(live)
+        # Its deadline counts from now: it ran beside V inner steps, which had their own.
+        wait, since = Deadline.after(self._clock(), p.deadline_s), self.runner.reissued
         try:
-            self.runner.gather(p.calls.deltas, p.boundary, p.wait, live)
-            summed = self.runner.gather(p.calls.reduces, p.boundary, p.wait, live)
-            replies = self.runner.gather(p.calls.applies, p.boundary, p.wait, live)
+            self.runner.gather(p.calls.deltas, p.boundary, wait, live)
+            summed = self.runner.gather(p.calls.reduces, p.boundary, wait, live)
+            replies = self.runner.gather(p.calls.applies, p.boundary, wait, live)
         except SliceFailure as f:
             self.drop(live, lost={f.slice_id})
             raise
-        if self.runner.reissued != p.reissued:
+        if self.runner.reissued != since:  # one of its calls: a later one's input is void
             self.drop(live)
             return None
         self.pending = None
@@ -269,7 +270,7 @@ class SyncCalls:
 class Pending:
     """A synchronization issued, not yet gathered (`DilocoRunner.start`):
     its boundary, fragment, slices, calls (by phase, and all as issued),
-    the re-issue count then, its deadline, and each host's delta status
+    the seconds it may take once gathered, and each host's delta status
     ref, which that host's first inner step after the boundary waits for."""
 
     boundary: int
@@ -277,6 +278,5 @@ class Pending:
     slices: frozenset
     calls: SyncCalls
     issued: list
-    reissued: int
-    wait: Deadline
+    deadline_s: float
     deltas: dict
