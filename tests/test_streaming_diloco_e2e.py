@@ -91,7 +91,8 @@ def test_resize_kill_mid_round(nodes, lm_factory):
     synchronization with replica 0's whole inner state; the run equals
     the reference loop given that membership."""
     nodes(2)
-    faults = [Fault("kill", 1, 5), Fault("slow", 0, 0, ms=150)]  # slow steps: the replacement is up mid-run
+    # Slow steps: the replacement is up mid-run, on a loaded machine too.
+    faults = [Fault("kill", 1, 5), Fault("slow", 0, 0, ms=300)]
     trainer, report, events = _fit(lm_factory, _config(num_slices=2, policy="resize"), steps=20, faults=faults)
     join = next(e["step"] for e in events if e["event"] == "grow")
     assert join % EVERY == 0 and 6 <= join < 20, join
@@ -111,7 +112,7 @@ def test_resize_kill_mid_synchronization(nodes, lm_factory):
     fragment's synchronization; the run equals the reference loop given
     that membership."""
     nodes(2)
-    faults = [Fault("kill", 1, 6, phase="sync"), Fault("slow", 0, 0, ms=150)]  # the replacement is up mid-run
+    faults = [Fault("kill", 1, 6, phase="sync"), Fault("slow", 0, 0, ms=300)]  # the replacement is up mid-run
     trainer, report, events = _fit(lm_factory, _config(num_slices=2, policy="resize"), steps=20, faults=faults)
     assert [e["phase"] for e in events if e["event"] == "fault" and e["kind"] == "kill"] == ["sync"]
     join = next(e["step"] for e in events if e["event"] == "grow")
