@@ -31,17 +31,9 @@ def start_cluster(num_nodes: int, object_store_mb: int = 200):
 
 
 def ensure_nodes(cluster, n: int) -> None:
-    import ray
-
-    alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
-    for node_id in list(cluster.nodes):
-        if node_id not in alive:
-            cluster.nodes.pop(node_id)
-    while len(cluster.nodes) > n:
-        node_id = next(reversed(cluster.nodes))
-        cluster.cluster.remove_node(cluster.nodes.pop(node_id))
-    while len(cluster.nodes) < n:
-        cluster.add_node()
+    """Exactly n nodes, extras removed: a parked node's idle daemons would
+    count in the figures."""
+    cluster.ensure_nodes(n, park=False)
 
 
 def write_result(out_dir: str, name: str, result: dict, text: str) -> None:

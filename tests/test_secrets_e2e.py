@@ -107,7 +107,7 @@ def secret_env(cluster, nodes, monkeypatch, tmp_path):
     }))
     monkeypatch.setenv("RAY_AUTH_TOKEN", FAKE_TOKEN)  # auth is off on this cluster: only a secret to keep
     monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(key_file))
-    nodes(0)
+    cluster.ensure_nodes(0, park=False)
     nodes(2)  # started now: their raylets, and every worker they start, inherit the environment
     for node in cluster.nodes.values():
         for pid in _raylet_pids(node):
@@ -117,7 +117,7 @@ def secret_env(cluster, nodes, monkeypatch, tmp_path):
         yield key_file
     finally:
         monkeypatch.undo()
-        nodes(0)
+        cluster.ensure_nodes(0, park=False)
         nodes(2)
 
 

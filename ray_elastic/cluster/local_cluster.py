@@ -5,6 +5,12 @@ The head node has no CPUs, so no slice lands next to the driver; each
 simulated node has room for exactly one host of a slice. Removing a node
 kills its raylet and, as on real hardware, every worker process on it
 (Ray alone can leave them running, and even finish a call in flight).
+
+A node no longer wanted can be parked instead of removed: a placement
+group pinned to it takes its CPUs, so nothing lands there, and giving them
+back is instant. Adding a node costs seconds of both cores here (its
+raylet and Ray's agents start), so a test suite that goes from two nodes
+to four and back many times reuses parked ones.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ class LocalCluster:
             },
         )
         self.nodes = {}
+        self.parked: dict = {}  # node -> the placement group holding its CPUs
         self.frozen: dict[str, list[int]] = {}  # node -> pids stopped
         for _ in range(num_nodes):
             self.add_node()
@@ -103,6 +110,7 @@ class LocalCluster:
         return ExternalNodes(self.address, self._cpus, self._store)
 
     def remove_node(self, node_id: str) -> None:
+        self._unpark(node_id)
         node = self.nodes.pop(node_id)
         pids = _worker_pids_on(node)
         self.cluster.remove_node(node, allow_graceful=False)
@@ -131,19 +139,60 @@ class LocalCluster:
         # in CI). On a real host the raylet's parent reaps it: do the same.
         threading.Thread(target=_reap, args=(self.nodes.get(node_id),), daemon=True, name="reap").start()
 
-    def ensure_nodes(self, n: int) -> "LocalCluster":
-        """Make the cluster have exactly n live worker nodes: forget nodes
-        that died, remove idle extras, add missing ones (main thread only)."""
+    def ensure_nodes(self, n: int, park: bool = True) -> "LocalCluster":
+        """Make the cluster have exactly n live worker nodes that slices can
+        use: forget nodes that died, then take parked nodes back or add new
+        ones, or set idle extras aside: parked (`park`), or removed
+        (main thread only)."""
         alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
         for node_id in list(self.nodes):
             if node_id not in alive:
                 self.nodes.pop(node_id)
-        while len(self.nodes) > n:
-            node_id = next(reversed(self.nodes))
+                self.parked.pop(node_id, None)
+        if not park:
+            for node_id in list(self.parked):
+                self.cluster.remove_node(self.nodes.pop(node_id))
+                self._unpark(node_id)
+        usable = [x for x in self.nodes if x not in self.parked]
+        if park and len(usable) > n:
+            for node_id in self._park_idle(usable, len(usable) - n):
+                usable.remove(node_id)
+        while len(usable) > n:  # busy extras: removed, with what runs there
+            node_id = usable.pop()
             self.cluster.remove_node(self.nodes.pop(node_id))
-        while len(self.nodes) < n:
-            self.add_node()
+        while len(usable) < n and self.parked:
+            node_id = next(reversed(self.parked))
+            self._unpark(node_id)
+            usable.append(node_id)
+        while len(usable) < n:
+            usable.append(self.add_node())
         return self
+
+    def _park_idle(self, candidates: list, count: int, wait_s: float = 1.0) -> list:
+        """Park up to `count` of the candidates, newest first, among those
+        idle: a placement group pinned to each holds every CPU it has free;
+        a busy node's stays pending and is dropped. Returns those parked."""
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
+
+        tried = {x: placement_group([{"CPU": self._cpus}], bundle_label_selector=[{NODE_ID_LABEL_KEY: x}])
+                 for x in reversed(candidates)}
+        waits = {x: pg.ready() for x, pg in tried.items()}
+        ready, _ = ray.wait(list(waits.values()), num_returns=count, timeout=wait_s)
+        parked = []
+        for node_id, pg in tried.items():
+            if len(parked) < count and waits[node_id] in ready:
+                self.parked[node_id] = pg
+                parked.append(node_id)
+            else:
+                remove_placement_group(pg)
+        return parked
+
+    def _unpark(self, node_id: str) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        pg = self.parked.pop(node_id, None)
+        if pg is not None:
+            remove_placement_group(pg)
 
     def connect(self, runtime_env: Optional[dict] = None) -> None:
         if not ray.is_initialized():
