@@ -154,12 +154,15 @@ class LocalCluster:
                 self.cluster.remove_node(self.nodes.pop(node_id))
                 self._unpark(node_id)
         usable = [x for x in self.nodes if x not in self.parked]
-        if park and len(usable) > n:
-            for node_id in self._park_idle(usable, len(usable) - n):
-                usable.remove(node_id)
-        while len(usable) > n:  # busy extras: removed, with what runs there
+        while len(usable) > n:
             node_id = usable.pop()
-            self.cluster.remove_node(self.nodes.pop(node_id))
+            if not (park and self._park(node_id)):
+                # Busy (or not to be parked): removed with what runs there.
+                # The node goes too where its placement group is still
+                # pending: one removed while Ray places it can keep the CPU
+                # it was given (seen with Ray 2.60), so no survivor may hold one.
+                self._unpark(node_id)
+                self.cluster.remove_node(self.nodes.pop(node_id))
         while len(usable) < n and self.parked:
             node_id = next(reversed(self.parked))
             self._unpark(node_id)
@@ -168,24 +171,15 @@ class LocalCluster:
             usable.append(self.add_node())
         return self
 
-    def _park_idle(self, candidates: list, count: int, wait_s: float = 1.0) -> list:
-        """Park up to `count` of the candidates, newest first, among those
-        idle: a placement group pinned to each holds every CPU it has free;
-        a busy node's stays pending and is dropped. Returns those parked."""
-        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
+    def _park(self, node_id: str, wait_s: float = 1.0) -> bool:
+        """Hold every CPU of the node with a placement group pinned to it;
+        False if the node is busy (not all of them free within wait_s)."""
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
-        tried = {x: placement_group([{"CPU": self._cpus}], bundle_label_selector=[{NODE_ID_LABEL_KEY: x}])
-                 for x in reversed(candidates)}
-        waits = {x: pg.ready() for x, pg in tried.items()}
-        ready, _ = ray.wait(list(waits.values()), num_returns=count, timeout=wait_s)
-        parked = []
-        for node_id, pg in tried.items():
-            if len(parked) < count and waits[node_id] in ready:
-                self.parked[node_id] = pg
-                parked.append(node_id)
-            else:
-                remove_placement_group(pg)
-        return parked
+        pg = placement_group([{"CPU": self._cpus}], bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}])
+        self.parked[node_id] = pg
+        ready, _ = ray.wait([pg.ready()], timeout=wait_s)
+        return bool(ready)
 
     def _unpark(self, node_id: str) -> None:
         from ray.util.placement_group import remove_placement_group

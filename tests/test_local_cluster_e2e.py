@@ -1,0 +1,49 @@
+"""LocalCluster.ensure_nodes on the shared cluster: idle extra nodes are
+parked (nothing can land on them) and taken back before a node is added."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+pytestmark = pytest.mark.cluster
+
+
+@ray.remote(num_cpus=1)
+class _Holder:
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+def test_idle_extras_are_parked_then_taken_back_before_any_node_is_added(cluster):
+    cluster.ensure_nodes(3)
+    before = set(cluster.nodes)
+    cluster.ensure_nodes(1)
+    assert len(cluster.parked) >= 2 and set(cluster.nodes) == before  # parked, not removed
+    (usable,) = [x for x in cluster.nodes if x not in cluster.parked]
+    first, second = _Holder.remote(), _Holder.remote()
+    try:
+        assert ray.get(first.node.remote(), timeout=60) == usable
+        # The one usable node is taken: the second actor finds no room on a parked node.
+        ready, _ = ray.wait([second.node.remote()], timeout=3)
+        assert not ready
+        cluster.ensure_nodes(2)
+        assert set(cluster.nodes) == before  # a parked node came back: none was added
+        assert ray.get(second.node.remote(), timeout=60) in before - {usable}
+    finally:
+        ray.kill(first)
+        ray.kill(second)
+
+
+def test_a_busy_extra_is_removed_with_what_runs_there(cluster):
+    cluster.ensure_nodes(2)
+    holders = [_Holder.remote() for _ in range(2)]
+    try:
+        on = {ray.get(h.node.remote(), timeout=60) for h in holders}
+        assert on == {x for x in cluster.nodes if x not in cluster.parked}
+        cluster.ensure_nodes(1)  # both nodes are busy: the newest goes, not parked
+        assert len([x for x in cluster.nodes if x not in cluster.parked]) == 1
+        assert len(on - set(cluster.nodes)) == 1
+    finally:
+        for h in holders:
+            ray.kill(h)
