@@ -23,7 +23,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 def cluster():
     from ray_elastic.cluster.local_cluster import LocalCluster
 
-    c = LocalCluster(num_nodes=2)
+    # No dashboard web server: no test of this cluster reads it (the job
+    # submission tests start clusters of their own), and its ten processes
+    # cost CPU the whole session long. The nodes' agents, which export
+    # the metrics, still run.
+    c = LocalCluster(num_nodes=2, dashboard=False)
     # The driver (this process) reports its metrics every 2 s, not Ray's
     # 10 s, so the Prometheus test sees them move sooner; set for the
     # connect only, so no node or worker started later inherits it.
@@ -117,7 +121,8 @@ def gcs_outage_fails_fast(monkeypatch):
 # the nodes those need) or look at how slices start and end.
 KEPT_MODULES = {
     "test_diloco_e2e", "test_integrity_e2e", "test_shapes_e2e", "test_group_leaders_e2e", "test_grain_e2e",
-    "test_streaming_diloco_e2e", "test_demo_e2e", "test_false_alarms_e2e", "test_snapshot_interval_e2e",
+    "test_streaming_diloco_e2e", "test_demo_e2e", "test_step_contract_e2e", "test_false_alarms_e2e",
+    "test_snapshot_interval_e2e",
 }
 
 

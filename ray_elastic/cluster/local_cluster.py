@@ -49,9 +49,11 @@ def _free_port() -> int:
 class LocalCluster:
     """health_checks: "tuned" (FAST_FAILURE_DETECTION, as the shipped
     cluster configs set) or "default" (Ray's own, as a cluster that sets
-    nothing has)."""
+    nothing has). dashboard: False starts the head without Ray's dashboard
+    (its web server, not the agents on each node: metrics still export)."""
 
-    def __init__(self, num_nodes: int, cpus_per_node: int = 1, object_store_mb: int = 200, health_checks: str = "tuned"):
+    def __init__(self, num_nodes: int, cpus_per_node: int = 1, object_store_mb: int = 200, health_checks: str = "tuned",
+                 dashboard: bool = True):
         if health_checks not in ("tuned", "default"):
             raise ValueError(f"health_checks: 'tuned' or 'default', got {health_checks!r}")
         self._cpus = cpus_per_node
@@ -61,7 +63,7 @@ class LocalCluster:
             head_node_args={
                 "num_cpus": 0,
                 # A free port: another cluster on this machine may hold 8265.
-                "dashboard_port": _free_port(),
+                **({"dashboard_port": _free_port()} if dashboard else {"include_dashboard": False}),
                 "object_store_memory": self._store,
                 # A copy: Ray adds its own keys to the dict it is given.
                 "_system_config": dict(FAST_FAILURE_DETECTION) if health_checks == "tuned" else {},
