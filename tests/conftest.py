@@ -26,8 +26,11 @@ def cluster():
     # No dashboard web server: no test of this cluster reads it (the job
     # submission tests start clusters of their own), and its ten processes
     # cost CPU the whole session long. The nodes' agents, which export
-    # the metrics, still run.
-    c = LocalCluster(num_nodes=2, dashboard=False)
+    # the metrics, still run. No log monitor either: every driver of this
+    # cluster connects with log_to_driver=False, and its polling of every
+    # worker's log files (hundreds of workers a session) is ~50 CPU-s a
+    # session.
+    c = LocalCluster(num_nodes=2, dashboard=False, log_monitor=False)
     # The driver (this process) reports its metrics every 2 s, not Ray's
     # 10 s, so the Prometheus test sees them move sooner; set for the
     # connect only, so no node or worker started later inherits it.
