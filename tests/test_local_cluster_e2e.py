@@ -1,5 +1,6 @@
-"""LocalCluster.ensure_nodes on the shared cluster: idle extra nodes are
-parked (nothing can land on them) and taken back before a node is added."""
+"""LocalCluster on the shared cluster: idle extra nodes are parked by
+ensure_nodes (nothing can land on them) and taken back before a node is
+added; the head's log monitor runs only where asked for."""
 
 from __future__ import annotations
 
@@ -51,3 +52,29 @@ def test_a_busy_extra_is_removed_with_what_runs_there(cluster):
     finally:
         for h in holders:
             ray.kill(h)
+
+
+def _log_monitors_of(cluster) -> list:
+    """The log monitor processes whose logs folder is this cluster's."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "log_monitor.py" in cmd and f"--logs-dir={cluster.logs_dir}" in cmd:
+            found.append(p.pid)
+    return found
+
+
+def test_the_log_monitor_runs_only_where_asked_for(cluster):
+    """The session cluster (log_monitor=False) has no log monitor; a
+    LocalCluster with the default has one, on its head (no dashboard
+    there: it starts sooner, and the log monitor does not depend on it)."""
+    from ray_elastic.cluster.local_cluster import LocalCluster
+
+    assert _log_monitors_of(cluster) == []
+    other = LocalCluster(num_nodes=0, dashboard=False)
+    try:
+        assert len(_log_monitors_of(other)) == 1
+    finally:
+        other.cluster.shutdown()
