@@ -26,14 +26,28 @@ FAIL_AT = 3
 # per-shard scalars: a few hundred bytes on gradients of megabytes.
 SLACK = 1.05
 
+# (slices, layout, batch shards); the default run takes the first two.
+# Every test takes its case through a module-scoped parameter, so pytest
+# runs a case's tests one after another: the kill and direct runs then
+# start in the slices the failure-free run kept (KEPT_MODULES), and each
+# case's slices are started once.
 CASES = [
     (3, "replicated", 3),
     (4, "fsdp", 8),  # two shards per slice: one block (their sum) leaves each
-    pytest.param(2, "replicated", 8, marks=pytest.mark.slow),
-    pytest.param(2, "fsdp", 2, marks=pytest.mark.slow),
-    pytest.param(3, "fsdp", 3, marks=pytest.mark.slow),
-    pytest.param(4, "replicated", 4, marks=pytest.mark.slow),
+    (2, "replicated", 8),
+    (2, "fsdp", 2),
+    (3, "fsdp", 3),
+    (4, "replicated", 4),
 ]
+DEFAULT_CASES = CASES[:2]
+
+
+def _id(case) -> str:
+    return "-".join(map(str, case))
+
+
+def _case_params():
+    return [pytest.param(c, id=_id(c), marks=() if c in DEFAULT_CASES else pytest.mark.slow) for c in CASES]
 
 
 def _factory(layout: str):
@@ -120,8 +134,9 @@ def _baseline(baselines, cluster, slices, layout, shards):
     return baselines[key]
 
 
-@pytest.mark.parametrize("slices,layout,shards", CASES)
-def test_bytes_per_host_are_at_the_ring_bound(baselines, cluster, slices, layout, shards):
+@pytest.mark.parametrize("case", _case_params(), scope="module")
+def test_bytes_per_host_are_at_the_ring_bound(baselines, cluster, case):
+    slices, layout, shards = case
     state, report, stats = _baseline(baselines, cluster, slices, layout, shards)
     grad = _gradient_bytes(layout, state)
     ring = 2 * (slices - 1) / slices * grad
@@ -141,20 +156,27 @@ def test_bytes_per_host_are_at_the_ring_bound(baselines, cluster, slices, layout
     assert report.losses[-1] < report.losses[0]
 
 
-def _kills():
-    """Every case under both policies; the default run takes one policy
-    of each of its two cases (the other in -m slow)."""
-    out = []
-    for case in CASES:
-        values, marks = (case.values, case.marks) if hasattr(case, "values") else (case, ())
-        for policy in ("resize", "pause"):
-            default = not marks and (policy == "resize") == (values[1] == "replicated")
-            out.append(pytest.param(*values, policy, marks=() if default else pytest.mark.slow))
-    return out
+def _policy(case, first: bool) -> str:
+    """Each case's kill runs under both policies: the default run takes
+    resize for replicated cases and pause for sharded ones, the other
+    policy is in -m slow."""
+    return ("resize" if case[1] == "replicated" else "pause") if first else (
+        "pause" if case[1] == "replicated" else "resize")
 
 
-@pytest.mark.parametrize("slices,layout,shards,policy", _kills())
-def test_a_worker_killed_mid_exchange_ends_bitwise_equal(baselines, cluster, slices, layout, shards, policy):
+@pytest.mark.parametrize("case", _case_params(), scope="module")
+def test_a_worker_killed_mid_exchange_ends_bitwise_equal(baselines, cluster, case):
+    _killed_mid_exchange(baselines, cluster, case, _policy(case, first=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _case_params(), scope="module")
+def test_a_worker_killed_mid_exchange_under_the_other_policy(baselines, cluster, case):
+    _killed_mid_exchange(baselines, cluster, case, _policy(case, first=False))
+
+
+def _killed_mid_exchange(baselines, cluster, case, policy):
+    slices, layout, shards = case
     state, _, _ = _baseline(baselines, cluster, slices, layout, shards)
     cluster.ensure_nodes(slices)
     fault = Fault("kill", slice_id=1, step=FAIL_AT, phase="reduce")
@@ -167,8 +189,10 @@ def test_a_worker_killed_mid_exchange_ends_bitwise_equal(baselines, cluster, sli
     _assert_bitwise_equal(trainer.final_state, state)
 
 
-def test_one_shard_per_slice_gives_the_direct_hand_offs_bits(baselines, cluster):
-    state, _, _ = _baseline(baselines, cluster, 3, "replicated", 3)
+@pytest.mark.parametrize("case", [pytest.param(CASES[0], id=_id(CASES[0]))], scope="module")
+def test_one_shard_per_slice_gives_the_direct_hand_offs_bits(baselines, cluster, case):
+    assert case == (3, "replicated", 3)
+    state, _, _ = _baseline(baselines, cluster, *case)
     trainer, report, stats = _run(3, "replicated", 3, policy="pause", exchange="direct")
     assert not report.failures
     _assert_bitwise_equal(trainer.final_state, state)
