@@ -46,27 +46,6 @@ def test_two_replicas_equal_the_reference_loop(free, lm_factory):
     _close(trainer, report, diloco_reference(lm_factory(), seed=0, shards=2, replicas=2, steps=STEPS, period=H))
 
 
-def test_three_replicas_of_two_shards_each(nodes, lm_factory):
-    """3 replicas, 6 shards: each replica sums its own two shards; the
-    exchange has an owner per chunk (3 slices), and a last round of 2
-    steps (14 is no multiple of 4) still ends with a synchronization."""
-    nodes(3)
-    trainer, report, events = _fit(lm_factory, _config(num_slices=3, batch_shards=6), steps=14)
-    assert [e["step"] for e in events if e["event"] == "diloco_sync"] == [4, 8, 12, 14]
-    _close(trainer, report, diloco_reference(lm_factory(), seed=0, shards=6, replicas=3, steps=14, period=H))
-
-
-def test_fsdp_slices_of_two_hosts(nodes):
-    """A sharded layout: every host sends its own blocks of the delta and
-    applies its own blocks of the outer step."""
-    import examples.lm as lm
-
-    nodes(4)
-    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
-    trainer, report, _ = _fit(factory, _config(num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=1)), steps=8)
-    _close(trainer, report, diloco_reference(factory(), seed=0, shards=2, replicas=2, steps=8, period=H))
-
-
 def test_resize_kill_mid_round(nodes, lm_factory):
     """Replica 1 is killed in inner step 5: replica 0 ends rounds alone
     (its delta divided by 1) until the replacement joins at a round's
@@ -179,3 +158,24 @@ def test_every_replica_killed_goes_back_to_a_newer_checkpoint(nodes, free, lm_fa
     assert restore and restore[0]["source"] == "checkpoint" and restore[0]["step"] == 5, restore
     assert _equal(trainer, free[0])
     assert report.losses == free[1].losses
+
+
+def test_three_replicas_of_two_shards_each(nodes, lm_factory):
+    """3 replicas, 6 shards: each replica sums its own two shards; the
+    exchange has an owner per chunk (3 slices), and a last round of 2
+    steps (14 is no multiple of 4) still ends with a synchronization."""
+    nodes(3)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=3, batch_shards=6), steps=14)
+    assert [e["step"] for e in events if e["event"] == "diloco_sync"] == [4, 8, 12, 14]
+    _close(trainer, report, diloco_reference(lm_factory(), seed=0, shards=6, replicas=3, steps=14, period=H))
+
+
+def test_fsdp_slices_of_two_hosts(nodes):
+    """A sharded layout: every host sends its own blocks of the delta and
+    applies its own blocks of the outer step."""
+    import examples.lm as lm
+
+    nodes(4)
+    factory = functools.partial(lm.make_program, lm.LMConfig(), lm.sharded_layout("fsdp"))
+    trainer, report, _ = _fit(factory, _config(num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=1)), steps=8)
+    _close(trainer, report, diloco_reference(factory(), seed=0, shards=2, replicas=2, steps=8, period=H))

@@ -64,27 +64,6 @@ def test_two_replicas_equal_the_reference_loop(free, lm_factory):
     _close(trainer, report, _reference(lm_factory))
 
 
-def test_three_replicas_with_chunk_owners_through_a_kill_mid_synchronization(nodes, lm_factory):
-    """3 replicas, so the exchange has an owner per chunk (reduce calls
-    between the deltas and the applies, all issued at the boundary).
-    Replica 2 is killed as fragment 1's synchronization at step 6 goes
-    out (pause, a spare): the reduces and applies still waiting are given
-    up, the synchronization runs again with the spare, and the run equals
-    the plain loop of 3 replicas that lost nothing (the 2-replica test
-    above checks the bitwise equality with the failure-free run)."""
-    nodes(4)
-    trainer, report, events = _fit(lm_factory, _config(num_slices=3, batch_shards=6, spare_slices=1), steps=8,
-                                   faults=[Fault("kill", 2, 6, phase="sync")])
-    assert [e["phase"] for e in events if e["event"] == "fault"] == ["sync"]
-    assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[6] == [0, 1, 2]
-    assert [e["replica"] for e in events if e["event"] == "diloco_caught_up"] == [2]
-    params, losses = _reference(lm_factory, steps=8, shards=6, replicas=3)
-    # Step 7 was in flight at the kill: it reports the survivors' loss.
-    np.testing.assert_allclose(report.losses[:6] + report.losses[7:], losses[:6] + losses[7:], rtol=LOSS_RTOL)
-    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
-        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
-
-
 def test_resize_kill_mid_round(nodes, lm_factory):
     """Replica 1 is killed in inner step 5: replica 0's fragments
     synchronize alone until the replacement joins at a fragment's
@@ -192,6 +171,27 @@ def test_pause_kill_in_an_overlapped_step_with_a_save_due(nodes, free, lm_factor
     assert [e["step"] for e in failed] == [7] and "replacement has joined" in failed[0]["reason"], failed
     assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[6] == [0, 1]
     assert _equal(trainer, free[0])
+
+
+def test_three_replicas_with_chunk_owners_through_a_kill_mid_synchronization(nodes, lm_factory):
+    """3 replicas, so the exchange has an owner per chunk (reduce calls
+    between the deltas and the applies, all issued at the boundary).
+    Replica 2 is killed as fragment 1's synchronization at step 6 goes
+    out (pause, a spare): the reduces and applies still waiting are given
+    up, the synchronization runs again with the spare, and the run equals
+    the plain loop of 3 replicas that lost nothing (the 2-replica test
+    above checks the bitwise equality with the failure-free run)."""
+    nodes(4)
+    trainer, report, events = _fit(lm_factory, _config(num_slices=3, batch_shards=6, spare_slices=1), steps=8,
+                                   faults=[Fault("kill", 2, 6, phase="sync")])
+    assert [e["phase"] for e in events if e["event"] == "fault"] == ["sync"]
+    assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[6] == [0, 1, 2]
+    assert [e["replica"] for e in events if e["event"] == "diloco_caught_up"] == [2]
+    params, losses = _reference(lm_factory, steps=8, shards=6, replicas=3)
+    # Step 7 was in flight at the kill: it reports the survivors' loss.
+    np.testing.assert_allclose(report.losses[:6] + report.losses[7:], losses[:6] + losses[7:], rtol=LOSS_RTOL)
+    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
 
 
 def test_fsdp_slices_of_two_hosts(nodes):
