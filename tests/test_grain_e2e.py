@@ -51,25 +51,26 @@ def data_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def grain_factory(data_dir):
+    """Every host logs what it reads. Every run of the module has this
+    program, so each starts in the slices the one before kept."""
     import examples.lm as lm
     import examples.lm_grain as lg
 
-    return functools.partial(lg.make_program, _grain_config(data_dir), lm.sharded_layout("fsdp"))
+    log = str(data_dir / "reads")
+    return functools.partial(lg.make_program, _grain_config(data_dir, log), lm.sharded_layout("fsdp"))
 
 
 @pytest.fixture(scope="module")
-def grain_run(cluster, data_dir):
-    """The failure-free run, every host logging what it reads."""
-    import examples.lm as lm
-    import examples.lm_grain as lg
-
+def grain_run(cluster, grain_factory):
+    """The failure-free run, and the reads its hosts logged (read at its
+    end: the later runs of the module log to the same folder)."""
     cluster.ensure_nodes(4)
-    log = str(data_dir / "reads")
-    factory = functools.partial(lg.make_program, _grain_config(data_dir, log), lm.sharded_layout("fsdp"))
-    trainer = ElasticTrainer(factory, _config(policy="pause"), STEPS, keep_final_state=True)
+    trainer = ElasticTrainer(grain_factory, _config(policy="pause"), STEPS, keep_final_state=True)
     report = trainer.fit()
     assert report.steps_completed == STEPS and not report.failures
-    return trainer, report, log
+    log = grain_factory.args[0].read_log
+    reads = [json.loads(line) for f in os.listdir(log) for line in open(os.path.join(log, f))]
+    return trainer, report, reads
 
 
 def test_the_first_loss_is_a_plain_loop_s_on_the_same_records(grain_run, data_dir):
@@ -94,8 +95,7 @@ def test_each_host_reads_only_its_rows(grain_run):
     """Two hosts per slice, pure FSDP (the batch splits over both): every
     step's read asks for one half of a shard, and across a slice's two
     hosts the halves cover the shard exactly once."""
-    _, _, log = grain_run
-    reads = [json.loads(line) for f in os.listdir(log) for line in open(os.path.join(log, f))]
+    _, _, reads = grain_run
     steps = [r for r in reads if r["rows"] is not None]
     assert {r["pid"] for r in steps} and all(r["rows"] in ([0, 4], [4, 8]) for r in steps), steps[:4]
     for step in range(STEPS):
