@@ -126,7 +126,7 @@ KEPT_MODULES = {
     "test_diloco_e2e", "test_integrity_e2e", "test_shapes_e2e", "test_group_leaders_e2e", "test_grain_e2e",
     "test_streaming_diloco_e2e", "test_demo_e2e", "test_step_contract_e2e", "test_false_alarms_e2e",
     "test_snapshot_interval_e2e", "test_exchange_e2e", "test_checkpoint_integrity_e2e",
-    "test_sharded_e2e", "test_elastic_e2e",
+    "test_sharded_e2e", "test_elastic_e2e", "test_snapshots_e2e",
 }
 
 
