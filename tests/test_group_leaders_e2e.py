@@ -26,6 +26,73 @@ STEPS = 12
 FAIL_AT = 5
 
 
+# First in the module: it needs one node, and the runs after it four; run
+# after them, it would remove three nodes busy with their kept slices.
+@ray.remote(num_cpus=0, max_concurrency=2)
+class _Gate:
+    """Holds a value back until released: an input that comes late, as a
+    driver's call that reaches a worker after the calls waiting on it."""
+
+    def __init__(self):
+        self._open = threading.Event()
+
+    def hold(self, refs: list):
+        self._open.wait(300)
+        return ray.get(refs[0])
+
+    def release(self) -> None:
+        self._open.set()
+
+
+def test_a_worker_runs_a_ready_call_beside_as_many_waiting_calls_as_a_step_can_leave(nodes, lm_factory):
+    """With leaders, a worker may get calls that wait on a call from the
+    other caller (the driver's top of the tree) before that call: it must
+    still run it. On one real slice worker, 12 reduce calls (two steps'
+    worth at the most: slice_group.WAITING_CALLS) wait for a held input;
+    a reduce issued after them, whose input is in, completes meanwhile,
+    and once the input comes the 12 give its sum. With the 3 threads the
+    worker had, the ready call waited behind them (a stalled step)."""
+    import os
+    import time
+
+    from ray_elastic.cluster.slice_group import WAITING_CALLS, RaySlices
+    from ray_elastic.config import CpuSlice
+
+    waiting = 12
+    assert WAITING_CALLS > waiting
+    nodes(1)
+    slices = RaySlices(CpuSlice(), lm_factory, seed=0, num_shards=1, run_name=f"test-threads-{os.getpid()}")
+    gate = _Gate.remote()
+    try:
+        p = slices.start(0)
+        deadline = time.monotonic() + 180
+        live = None
+        while live is None and time.monotonic() < deadline:
+            live = slices.poll(p)
+            time.sleep(0.2)
+        assert live is not None, "the slice did not start"
+        w = live.workers[0]
+        _, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(0, (0,))
+        held = gate.hold.remote([payload])
+        late = [w.reduce.options(num_returns=2).remote(0, (0,), [held]) for _ in range(waiting)]
+        ready_status, ready_sum = w.reduce.options(num_returns=2).remote(0, (0,), [payload])
+        ray.get(ready_status, timeout=60)  # a stalled worker raises GetTimeoutError here
+        assert not ray.wait([s for s, _ in late], num_returns=1, timeout=0)[0], "the held input came early"
+        gate.release.remote()
+        import jax
+        import numpy as np
+
+        want = jax.tree.leaves(ray.get(ready_sum))
+        assert want
+        for status, got in late:
+            assert ray.get(status, timeout=60) == ray.get(ready_status)
+            for x, y in zip(jax.tree.leaves(ray.get(got)), want, strict=True):
+                np.testing.assert_array_equal(x, y)
+    finally:
+        ray.kill(gate)
+        slices.shutdown()
+
+
 @pytest.fixture
 def fan_in_2(monkeypatch):
     import ray_elastic.dispatch.step_runner as step_runner
@@ -158,68 +225,3 @@ def test_a_frozen_worker_with_leaders_under_pause(reference, nodes, lm_factory, 
     assert f.kind == "hung" and f.slice == 3
     assert report.slices_per_step[-1] == 4
     _assert_bitwise_equal(trainer.final_state, reference)
-
-
-@ray.remote(num_cpus=0, max_concurrency=2)
-class _Gate:
-    """Holds a value back until released: an input that comes late, as a
-    driver's call that reaches a worker after the calls waiting on it."""
-
-    def __init__(self):
-        self._open = threading.Event()
-
-    def hold(self, refs: list):
-        self._open.wait(300)
-        return ray.get(refs[0])
-
-    def release(self) -> None:
-        self._open.set()
-
-
-def test_a_worker_runs_a_ready_call_beside_as_many_waiting_calls_as_a_step_can_leave(nodes, lm_factory):
-    """With leaders, a worker may get calls that wait on a call from the
-    other caller (the driver's top of the tree) before that call: it must
-    still run it. On one real slice worker, 12 reduce calls (two steps'
-    worth at the most: slice_group.WAITING_CALLS) wait for a held input;
-    a reduce issued after them, whose input is in, completes meanwhile,
-    and once the input comes the 12 give its sum. With the 3 threads the
-    worker had, the ready call waited behind them (a stalled step)."""
-    import os
-    import time
-
-    from ray_elastic.cluster.slice_group import WAITING_CALLS, RaySlices
-    from ray_elastic.config import CpuSlice
-
-    waiting = 12
-    assert WAITING_CALLS > waiting
-    nodes(1)
-    slices = RaySlices(CpuSlice(), lm_factory, seed=0, num_shards=1, run_name=f"test-threads-{os.getpid()}")
-    gate = _Gate.remote()
-    try:
-        p = slices.start(0)
-        deadline = time.monotonic() + 180
-        live = None
-        while live is None and time.monotonic() < deadline:
-            live = slices.poll(p)
-            time.sleep(0.2)
-        assert live is not None, "the slice did not start"
-        w = live.workers[0]
-        _, payload = w.compute_grads.options(num_returns=2, concurrency_group="compute").remote(0, (0,))
-        held = gate.hold.remote([payload])
-        late = [w.reduce.options(num_returns=2).remote(0, (0,), [held]) for _ in range(waiting)]
-        ready_status, ready_sum = w.reduce.options(num_returns=2).remote(0, (0,), [payload])
-        ray.get(ready_status, timeout=60)  # a stalled worker raises GetTimeoutError here
-        assert not ray.wait([s for s, _ in late], num_returns=1, timeout=0)[0], "the held input came early"
-        gate.release.remote()
-        import jax
-        import numpy as np
-
-        want = jax.tree.leaves(ray.get(ready_sum))
-        assert want
-        for status, got in late:
-            assert ray.get(status, timeout=60) == ray.get(ready_status)
-            for x, y in zip(jax.tree.leaves(ray.get(got)), want, strict=True):
-                np.testing.assert_array_equal(x, y)
-    finally:
-        ray.kill(gate)
-        slices.shutdown()
