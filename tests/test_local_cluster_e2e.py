@@ -1,6 +1,7 @@
 """LocalCluster on the shared cluster: idle extra nodes are parked by
-ensure_nodes (nothing can land on them) and taken back before a node is
-added; the head's log monitor runs only where asked for."""
+ensure_nodes (nothing can land on them), before any busy one is removed,
+and taken back before a node is added; the head's log monitor runs only
+where asked for."""
 
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ def test_a_busy_extra_is_removed_with_what_runs_there(cluster):
     finally:
         for h in holders:
             ray.kill(h)
+
+
+def test_an_idle_extra_is_parked_before_a_busy_one_is_removed(cluster):
+    """Two usable nodes, the first one busy: going to one parks the idle
+    one, whatever their order, and the busy one keeps what runs there."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    cluster.ensure_nodes(2)
+    usable = [x for x in cluster.nodes if x not in cluster.parked]
+    # On the node ensure_nodes took first before it looked at which are idle.
+    holder = _Holder.options(scheduling_strategy=NodeAffinitySchedulingStrategy(usable[-1], soft=False)).remote()
+    try:
+        busy = ray.get(holder.node.remote(), timeout=60)
+        assert busy == usable[-1]
+        nodes_before = set(cluster.nodes)
+        cluster.ensure_nodes(1)
+        assert set(cluster.nodes) == nodes_before  # none removed
+        assert [x for x in cluster.nodes if x not in cluster.parked] == [busy]
+        assert ray.get(holder.node.remote(), timeout=60) == busy  # still there
+    finally:
+        ray.kill(holder)
 
 
 def _log_monitors_of(cluster) -> list:

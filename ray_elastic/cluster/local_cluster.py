@@ -162,6 +162,11 @@ class LocalCluster:
                 self.cluster.remove_node(self.nodes.pop(node_id))
                 self._unpark(node_id)
         usable = [x for x in self.nodes if x not in self.parked]
+        if len(usable) > n:
+            # Idle nodes go first (parked, at once); a busy one is tried
+            # (a second's wait) and removed only where no idle one is left.
+            free = _free_cpus()
+            usable.sort(key=lambda x: free.get(x, 0.0) >= self._cpus)
         while len(usable) > n:
             node_id = usable.pop()
             if not (park and self._park(node_id)):
@@ -212,6 +217,17 @@ class LocalCluster:
             ray.shutdown()
         if self.cluster.head_node is not None or self.cluster.worker_nodes:
             self.cluster.shutdown()
+
+
+def _free_cpus() -> dict:
+    """node id -> its CPUs free now (Ray's resource view: a placement
+    group's bundle holds its CPUs whether or not a task runs in it)."""
+    try:
+        from ray._private.state import available_resources_per_node
+
+        return {node: float(r.get("CPU", 0.0)) for node, r in available_resources_per_node().items()}
+    except Exception:  # a Ray without it: every node tried in turn, as before
+        return {}
 
 
 def _worker_pids_on(node) -> list[int]:
