@@ -71,6 +71,17 @@ def test_a_new_process_reports_its_start_and_loads():
     assert all(v >= 0 for v in out.values()), out
 
 
+def test_a_process_started_within_a_clock_tick_of_the_creation_is_a_new_one():
+    """Ray starts an actor's process 1 to 20 ms after its creation here,
+    and the kernel floors a process's start to a clock tick (10 ms): one
+    that reads as started 8 ms before the creation was started for it."""
+    from ray_elastic.worker.readiness import readiness_phases
+
+    out = readiness_phases(100.0, 101.5, 102.7, _MARKS, process_at=99.992)
+    assert "warm_process" not in out and out["process_start"] == 0.0, out
+    assert out["actor_load"] == 1.5 and out["args_load"] == 1.2, out
+
+
 def test_a_warm_process_reports_its_taking_not_its_age():
     """A warm pool's process started 50 s before the actor's creation, with
     the worker's module imported ahead: its first phase is warm_process,

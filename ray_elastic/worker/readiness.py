@@ -9,6 +9,13 @@ from typing import Optional
 
 __all__ = ["phase_seconds", "readiness_phases"]
 
+# A process started less than this before the actor's creation was started
+# for it: Ray starts one 1 to 20 ms after the creation here, and the
+# kernel's start time is floored to a clock tick (10 ms), so such a process
+# can read as started first. A warm one started seconds earlier (its
+# imports alone take over a second).
+_YOUNG_S = 0.05
+
 
 def readiness_phases(created_at: Optional[float], module_at: float, init_at: float, marks: list,
                      process_at: Optional[float] = None) -> dict:
@@ -20,7 +27,8 @@ def readiness_phases(created_at: Optional[float], module_at: float, init_at: flo
 
     - a process started for this actor (after its creation):
       - process_start: the driver creating the actor to this process
-        existing;
+        existing (one read as started up to 50 ms before the creation
+        counts here: a clock tick's rounding);
       - actor_load: the process existing to this module imported:
         Python and Ray's worker starting, the actor's class loaded;
       - args_load: the constructor's arguments unpickled (the program
@@ -53,10 +61,10 @@ def readiness_phases(created_at: Optional[float], module_at: float, init_at: flo
     out: dict = {}
     proc_at = _process_started_at() if process_at is None else process_at
     if created_at is not None:
-        if proc_at is not None and proc_at < created_at:
+        if proc_at is not None and proc_at < created_at - _YOUNG_S:
             out["warm_process"] = phase_seconds(created_at, init_at)
         else:
-            start = created_at if proc_at is None else proc_at
+            start = created_at if proc_at is None else max(created_at, proc_at)  # a tick's rounding can put it first
             if proc_at is not None:
                 out["process_start"] = phase_seconds(created_at, proc_at)
             loaded = max(module_at, start)
