@@ -19,6 +19,28 @@ if ROOT not in sys.path:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def driver_compile_cache():
+    """The plain JAX loops the tests compare runs with are compiled in this
+    process, most of its CPU time (~17 of the 22 CPU-s of the token LM's
+    two reference loops), and again by every test that builds the same
+    loop (a new function each time, so JAX's in-memory cache misses). XLA's
+    persistent cache, which the workers use too (ElasticConfig's
+    compile_cache_dir), keeps each executable once: the same bits, compiled
+    once a session, and once a machine while the folder lasts."""
+    try:
+        import jax
+    except ImportError:
+        yield
+        return
+    from ray_elastic.paths import work_path
+
+    jax.config.update("jax_compilation_cache_dir", work_path("xla-cache-tests"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+
+
 @pytest.fixture(scope="session")
 def cluster():
     from ray_elastic.cluster.local_cluster import LocalCluster
