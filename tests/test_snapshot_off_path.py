@@ -26,3 +26,5 @@ def test_a_late_snapshot_holds_its_own_step(layout):
     assert f["moved_on"], "the state did not change in two steps: the check could not fail"
     assert f["status"]["step"] == 2 and f["status"]["bytes"] == f["nbytes"] > 0
     assert "no snapshot of step 2 was begun" in f["refused"]
+    # A worker set up outside Ray starts no Ray of its own (~8 s, and a dashboard).
+    assert not f["ray_started"]

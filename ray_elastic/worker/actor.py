@@ -59,6 +59,12 @@ _MODULE_AT = time.time()  # this module imported: the actor's class loaded
 _EAGER_SETUP = os.environ.get("RAY_ELASTIC_EAGER_SETUP", "") == "1"
 
 
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 class SliceWorker:
     """Host `host` of `hosts` of slice `slice_id`. A plain class;
     `cluster/slice_group.py` turns it into a Ray actor (`ray.remote`)."""
@@ -194,9 +200,11 @@ class SliceWorker:
     def _setup(self, coordinator: Optional[str], compile_cache_dir: str, predecessors: Sequence[Predecessor]) -> dict:
         t0 = time.perf_counter()
         marks = [("setup_start", time.time())]
-        import ray
-
-        gone = wait_gone(predecessors, ray.get_runtime_context().get_node_id())
+        # Ray's runtime context starts a Ray of its own in a process that has
+        # none (a worker built in a test's or a tool's own process): asked
+        # only where there is a predecessor to place.
+        node = _node_id() if predecessors else ""
+        gone = wait_gone(predecessors, node)
         marks.append(("predecessors", time.time()))
         devices = start_jax(coordinator, compile_cache_dir, self.hosts, self.host, marks)
         cache = HostCompileCache(compile_cache_dir)  # hosts JAX's own cache misses (host_cache.py)

@@ -66,4 +66,6 @@ print(json.dumps({
     "status": status,
     "nbytes": int(sum(a.nbytes for a in at_two)),
     "refused": refused,
+    # Nothing here asked for Ray: a worker built outside Ray starts none.
+    "ray_started": "ray" in sys.modules and sys.modules["ray"].is_initialized(),
 }))
