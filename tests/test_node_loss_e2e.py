@@ -125,3 +125,25 @@ def test_frozen_node_under_pause_recovers_before_ray_declares_it_dead():
     # recovered (the usual case, unless this machine is overloaded), the
     # replacement provably did not wait for it.
     print("frozen node still alive at recovery:", report["driver_saw"].get("frozen_alive_at_recovery"))
+
+
+def test_a_removed_nodes_copies_are_unreadable_before_rays_node_table_says_so(cluster, nodes, lm_factory):
+    """The controller reads a snapshot or a DiLoCo round-start copy only
+    from a node the backend calls alive. Ray's node table lists a removed
+    node as alive until its health checks give up (~1.5 s here, ~30 s on
+    Ray's defaults), and a copy read from it meanwhile stalls the reader:
+    its raylet retries the pull only after object_manager_pull_timeout_ms
+    (10 s; a DiLoCo spare's recovery took 12.3 s instead of ~5 s). The
+    backend says no at once: the node's raylet refuses connections."""
+    from ray_elastic.cluster.ray_backend import RayBackend
+    from ray_elastic.config import CpuSlice
+
+    nodes(1)
+    backend = RayBackend(CpuSlice(), lm_factory, 0, 1, run_name=f"test-readable-{os.getpid()}")
+    gone = cluster.add_node()
+    assert backend.node_alive(gone)
+    cluster.remove_node(gone)
+    assert not backend.node_alive(gone)
+    live = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != gone
+                and n["Resources"].get("CPU", 0) > 0)
+    assert backend.node_alive(live)

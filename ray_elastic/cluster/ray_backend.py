@@ -144,7 +144,14 @@ class RayBackend:
         return list(self._up[slice_id].workers)
 
     def node_alive(self, node_id: str) -> bool:
-        return self.locator.probe.node_alive(node_id)
+        """Whether a copy of state on the node can still be read (the
+        controller asks it of every snapshot or round-start copy it picks):
+        not where the node's raylet refuses connections. Ray's node table
+        lists a removed node as alive until its health checks give up (~1.5
+        s with the shipped configs, ~30 s on Ray's defaults), and a copy
+        read from it meanwhile stalls: the reader's raylet retries the pull
+        only after `object_manager_pull_timeout_ms` (10 s)."""
+        return not self.locator.node_lost(node_id)
 
     def slow_down(self, slice_id: int, host: int, ms: int) -> None:
         worker = self._up[slice_id].workers[host]
