@@ -17,6 +17,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Every Ray worker process leaves an event file in its session's logs, and
+# every node's dashboard agent reads through the whole folder every 2 s to
+# send new events to the dashboard. All the session cluster's nodes share
+# one folder here, and a session starts hundreds of workers: with 400
+# files, five agents used 0.27 of a core doing it (0.02 with none). The
+# session cluster runs no dashboard to send them to, so its agents look
+# once a minute (Ray's setting, inherited by every node started here).
+os.environ.setdefault("SCAN_EVENT_DIR_INTERVAL_SECONDS", "60")
 
 
 @pytest.fixture(scope="session", autouse=True)
