@@ -8,6 +8,7 @@ compared with a failure-free run of the same seed.
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
@@ -329,8 +330,10 @@ def test_a_slice_ray_cannot_place_is_named_at_start_up(nodes, lm_factory):
     with pytest.raises(RunFailed) as got:
         ElasticTrainer(lm_factory, config, 5).fit()
     assert got.value.setting == "num_slices", got.value
-    assert "slice(s) [2] could not be placed (each needs 2 host(s)" in str(got.value)
-    assert "only" in str(got.value) and "of 3 slices were ready within 5 s" in str(got.value)
+    # Which of the three Ray leaves out is its choice (the groups are asked
+    # for together): the one named is the one not ready.
+    assert re.search(r"slice\(s\) \[[012]\] could not be placed \(each needs 2 host\(s\)", str(got.value)), got.value
+    assert "only 2 of 3 slices were ready within 5 s" in str(got.value)
     left = {pg["placement_group_id"] for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"}
     assert left <= before
 
