@@ -333,7 +333,8 @@ def test_a_slice_ray_cannot_place_is_named_at_start_up(nodes, lm_factory):
     # Which of the three Ray leaves out is its choice (the groups are asked
     # for together): the one named is the one not ready.
     assert re.search(r"slice\(s\) \[[012]\] could not be placed \(each needs 2 host\(s\)", str(got.value)), got.value
-    assert "only 2 of 3 slices were ready within 5 s" in str(got.value)
+    # (the two placed may still be starting at 5 s, on a cold machine)
+    assert re.search(r"only [012] of 3 slices were ready within 5 s", str(got.value)), got.value
     left = {pg["placement_group_id"] for pg in ray.util.placement_group_table().values() if pg["state"] != "REMOVED"}
     assert left <= before
 
