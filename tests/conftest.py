@@ -25,6 +25,15 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # session cluster runs no dashboard to send them to, so its agents look
 # once a minute (Ray's setting, inherited by every node started here).
 os.environ.setdefault("SCAN_EVENT_DIR_INTERVAL_SECONDS", "60")
+# Ray's default metrics path (OpenTelemetry) has the head node's agent take
+# the GCS's histograms in one observation at a time; the GCS's grow with
+# every actor and call of the session, and the agent's CPU with them: 109
+# CPU-s in a default run of the suite, 45 through Ray's other exporter
+# (OpenCensus), set here for every cluster the tests start. What
+# ray_elastic records reaches Prometheus either way: test_metrics_e2e
+# scrapes a run through this path and, on a cluster of Ray's defaults,
+# through the default one.
+os.environ.setdefault("RAY_enable_open_telemetry", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)

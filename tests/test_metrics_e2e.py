@@ -7,6 +7,8 @@ values to the metrics agent of its node every `metrics_report_interval_ms`
 (10 s by default; the session cluster keeps Ray's default), and the agent
 serves them at `http://127.0.0.1:<MetricsExportPort>/metrics`, the port
 `ray.nodes()` gives for that node. Ray names them `ray_` + the metric's name.
+The session cluster exports through OpenCensus (conftest.py says why); one
+test scrapes a driver on a cluster of Ray's default, OpenTelemetry.
 """
 
 from __future__ import annotations
@@ -289,6 +291,73 @@ def _check_final(port, run, report):
     assert abs(last[("ray_elastic_loss",)] - report.final_loss) < 1e-6
     assert last[("ray_elastic_events_total", ("event", "detected"))] == 1.0
     assert last[("ray_elastic_events_total", ("event", "recovered"))] == 1.0
+
+
+# A driver of its own on a cluster of Ray's default metrics settings (the
+# tests' clusters use Ray's other exporter: conftest.py), reporting every
+# second, not Ray's 10 s, so the scrape comes sooner: it sets the run's
+# gauges as a run would, says its node's metrics port, and holds them until
+# its stdin closes.
+DEFAULT_PATH_DRIVER = """
+import sys
+from types import SimpleNamespace
+import ray
+from ray_elastic.callbacks import Phase, RunStatus
+from ray_elastic.cluster.local_cluster import LocalCluster
+from ray_elastic.observe.metrics import MetricsCallback
+cluster = LocalCluster(num_nodes=0, dashboard=False, log_monitor=False)
+try:
+    cluster.connect()
+    me = ray.get_runtime_context().get_node_id()
+    node = next(n for n in ray.nodes() if n["NodeID"] == me)
+    metrics = MetricsCallback(sys.argv[1], refresh_s=0.5)
+    metrics.on_start(SimpleNamespace(steps=7))
+    metrics.on_state(RunStatus(Phase.TRAINING, 1.0, 0, 1))
+    metrics.on_step(3, {"loss": 1.5, "slices": 1, "step_s": 0.25})
+    print("PORT", node["MetricsExportPort"], flush=True)
+    sys.stdin.read()
+    metrics.close()
+finally:
+    cluster.shutdown()
+"""
+
+
+@pytest.mark.cluster
+def test_metrics_reach_prometheus_on_ray_s_default_exporter(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_enable_open_telemetry", "RAY_ADDRESS", "RAY_metrics_report_interval_ms")}
+    env["RAY_metrics_report_interval_ms"] = "1000"
+    run = f"test-{uuid.uuid4().hex[:8]}"
+    proc = subprocess.Popen([sys.executable, "-c", DEFAULT_PATH_DRIVER, run], env=env, cwd=str(tmp_path),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("PORT "):
+                break
+        assert lines and lines[-1].startswith("PORT "), "".join(lines)[-3000:]
+        port = int(lines[-1].split()[1])
+        ok, last = _wait_for_series(port, run, {
+            ("ray_elastic_step",): 3.0,
+            ("ray_elastic_steps_requested",): 7.0,
+            ("ray_elastic_state", ("state", "training")): 1.0,
+            ("ray_elastic_loss",): 1.5,
+            ("ray_elastic_live_slices",): 1.0,
+        }, SCRAPE_TIMEOUT_S)
+        assert ok, f"the run's series did not reach the endpoint in {SCRAPE_TIMEOUT_S} s: {last}"
+    finally:
+        proc.stdin.close()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, proc.stdout.read()[-3000:]
 
 
 def test_every_phase_has_a_state_code():
