@@ -106,6 +106,54 @@ def _warm_processes(exclude=(), tag: str = PRELOAD_ENV) -> dict:
     return {p: v for p, v in out.items() if p not in exclude}
 
 
+_IDLE = """
+import time
+print("up", flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc"), reason="reads /proc")
+def test_end_idle_ends_only_this_jobs_idle_warm_processes_of_another_environment():
+    """Real processes titled as Ray titles them: only the idle one of this
+    job, with the pool's variable and another environment, is ended."""
+    import subprocess
+
+    from ray_elastic.failures.process_state import end_idle
+    from ray_elastic.worker.warm_pool import usable_by
+
+    run_env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", PRELOAD_ENV: "jax,examples.lm"}
+    base = {k: v for k, v in os.environ.items() if k not in (PRELOAD_ENV, STAMP_ENV, "RAY_JOB_ID", "XLA_FLAGS")}
+    job = f"{os.getpid() % 0xFFFFFF:06x}ff"  # no job of a real Ray here
+    other_env = {**run_env, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    cases = {  # name: (title, environment), and whether it is ended
+        "stale": ("ray::IDLE", {**other_env, "RAY_JOB_ID": job}, True),
+        "stamped": ("ray::IDLE", {**run_env, STAMP_ENV: "1-2", "RAY_JOB_ID": job}, True),
+        "usable": ("ray::IDLE", {**run_env, "RAY_JOB_ID": job}, False),
+        "other job": ("ray::IDLE", {**other_env, "RAY_JOB_ID": "0a000000"}, False),
+        "not the pool's": ("ray::IDLE", {"XLA_FLAGS": "x", "RAY_JOB_ID": job}, False),
+        "busy": ("ray::SliceWorker", {**other_env, "RAY_JOB_ID": job}, False),
+    }
+    procs = {}
+    try:
+        for name, (title, env, _) in cases.items():
+            procs[name] = subprocess.Popen([title, "-c", _IDLE], executable=sys.executable, env={**base, **env},
+                                           stdout=subprocess.PIPE, text=True)
+        for p in procs.values():
+            assert p.stdout.readline().strip() == "up"
+        ended = end_idle(job, PRELOAD_ENV, usable_by(run_env))
+        assert sorted(ended) == sorted(procs[n].pid for n, c in cases.items() if c[2])
+        for name, (_, _, gone) in cases.items():
+            if gone:
+                assert procs[name].wait(timeout=10) == -signal.SIGKILL, name
+            else:
+                assert procs[name].poll() is None, name
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()
+
+
 def _settled(pid: int) -> bool:
     """Whether the process has gone idle (its preload done): no CPU time
     used over half a second."""
@@ -155,6 +203,13 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
     try:
         live = _up(slices)
         worker_pid = live.infos[0]["pid"]
+        # Its node's watcher, as a run makes for every node its slices go
+        # live on (ray_backend.py): through it a later run ends what it cannot use.
+        import ray
+
+        from ray_elastic.failures import process_state
+
+        ray.get(process_state.watcher_for(live.infos[0]["node_id"]).state.remote(0), timeout=60)
         # The worker's set-up asked its raylet for one idle process, which
         # imports JAX at its start (its native library mapped), then idles.
         warm = _wait(lambda: [p for p, jax in _warm_processes({worker_pid}, tag).items() if jax])
@@ -180,3 +235,19 @@ def test_a_replacement_starts_in_the_warm_process_its_predecessor_asked_for(node
         slices.kill(replacement.workers)
     finally:
         slices.shutdown()
+    # A later run of this driver in another environment cannot start in
+    # that idle process: it is ended as that run starts, not left idling.
+    other = f"RAY_ELASTIC_TEST_POOL=other-{os.getpid()}-{time.time()}"
+
+    class OtherPool(CpuSlice):
+        def worker_env(self):
+            return {**super().worker_env(), other.split("=")[0]: other.split("=")[1]}
+
+    later = RaySlices(OtherPool(), lm_factory, seed=0, num_shards=1, run_name=f"test-warm-other-{os.getpid()}",
+                      compile_cache_dir=work_path("xla-cache"), warm_workers=1)
+    try:
+        p = later.start(0)
+        _wait(lambda: not os.path.exists(f"/proc/{nxt[0]}"), 30)
+        _wait(lambda: later.poll(p), 180)
+    finally:
+        later.shutdown()

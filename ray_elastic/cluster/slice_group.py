@@ -27,7 +27,7 @@ from ray_elastic.failures import process_state
 from ray_elastic.worker.predecessors import Predecessor
 from ray_elastic.worker.readiness import phase_seconds
 from ray_elastic.worker.exchange_stats import LINK_ENV
-from ray_elastic.worker.warm_pool import hook_env
+from ray_elastic.worker.warm_pool import PRELOAD_ENV, hook_env, usable_by
 from ray_elastic.worker.actor import SliceWorker
 
 __all__ = ["LiveSlice", "Provisioning", "RaySlices", "SliceProvisioner", "WAITING_CALLS"]
@@ -179,6 +179,7 @@ class RaySlices:
         self._evicted: set[str] = set()  # node ids no new group may use
         self._predecessors: list[Predecessor] = []  # processes given up on: new workers wait for them to exit
         self._unread: list = []  # the watchers' replies to `end`, held so that Ray does not report them
+        self._stale_ended = False  # the warm processes of this driver's earlier runs that this one cannot use
         # Slices kept from this driver's last run serve this one where
         # everything their workers were built from is the same, whether
         # this run keeps its own or not (kept_workers.py).
@@ -239,6 +240,9 @@ class RaySlices:
 
     def start(self, slice_id: int) -> Provisioning:
         """Queue a slice's workers; they start once its group is placed."""
+        if not self._stale_ended:
+            self._stale_ended = True
+            self._end_stale_warm()
         kept = self._kept(slice_id)
         if kept is not None:
             return kept
@@ -327,6 +331,18 @@ class RaySlices:
                 pass
         self._read_done()
 
+    def _end_stale_warm(self) -> None:
+        """Ask every node that has a watcher (every node this driver's
+        slices ran on) to end the idle warm processes of this job that
+        this run's workers cannot start in (warm_pool.usable_by); the
+        replies are read like the watchers' others."""
+        job = ray.get_runtime_context().get_job_id()
+        keep = usable_by(self._env)
+        for node in ray.nodes():
+            watcher = process_state.existing_watcher(node["NodeID"]) if node["Alive"] else None
+            if watcher is not None:
+                self._unread.append(watcher.end_idle.remote(job, PRELOAD_ENV, keep))
+
     def _read_done(self) -> None:
         """Read the watchers' replies that came (an error too: its node
         went, and with it the process), so that Ray reports none."""
@@ -380,6 +396,7 @@ class RaySlices:
         return table.get("state", "UNKNOWN")
 
     def shutdown(self, keep: Sequence[LiveSlice] = ()) -> None:
+        self._read_done()
         for pg, handle in self._abandoned:
             _remove(pg, handle)
         self._abandoned = []

@@ -12,7 +12,9 @@ A `NodeWatcher` is a small actor, one per node (named, detached: made by
 the first run that needs it on that node and used by every run after; it
 imports nothing beyond Ray and answers from its own process, with no GIL
 of the worker's in the way). It is made when a slice goes live on the
-node, so it is up before any silence needs it.
+node, so it is up before any silence needs it. It also ends the idle
+processes a driver's earlier runs kept warm that no later run can use
+(`end_idle`, worker/warm_pool.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any, Optional
 
 import ray
 
-__all__ = ["BUSY", "GONE", "NodeWatcher", "STOPPED", "ask", "end", "proc_state", "watcher_for"]
+__all__ = ["BUSY", "GONE", "NodeWatcher", "STOPPED", "ask", "end", "end_idle", "existing_watcher", "proc_state",
+           "watcher_for"]
 
 BUSY = "busy"  # running, sleeping or in the kernel: alive, and will answer
 STOPPED = "stopped"  # stopped or traced: will not answer until continued
@@ -64,6 +67,37 @@ def end(pid: int, started: float) -> bool:
         return False
 
 
+def end_idle(job_id: str, marker: str, keep: dict, proc_root: str = "/proc") -> list[int]:
+    """SIGKILL every idle worker process of Ray's (titled `ray::IDLE`) of
+    job `job_id` on this machine that has the variable `marker` in its
+    environment and any variable named in `keep` set otherwise (unset
+    reads as ""); returns their pids. Ray never hands such a process to an
+    actor whose runtime environment differs, so it would only idle."""
+    import os
+    import signal
+
+    ended = []
+    for pid in filter(str.isdigit, os.listdir(proc_root)):
+        try:
+            with open(f"{proc_root}/{pid}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::IDLE"):
+                    continue
+            with open(f"{proc_root}/{pid}/environ", "rb") as f:
+                env = dict(kv.split("=", 1) for kv in f.read().decode(errors="replace").split("\0") if "=" in kv)
+        except OSError:  # gone, or not ours to read
+            continue
+        if env.get("RAY_JOB_ID") != job_id or marker not in env:
+            continue
+        if all(env.get(k, "") == v for k, v in keep.items()):
+            continue
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+            ended.append(int(pid))
+        except (ProcessLookupError, PermissionError):
+            pass
+    return ended
+
+
 @ray.remote(num_cpus=0, max_concurrency=4)
 class NodeWatcher:
     def state(self, pid: int) -> str:
@@ -77,6 +111,9 @@ class NodeWatcher:
         replacement."""
         return end(pid, started)
 
+    def end_idle(self, job_id: str, marker: str, keep: dict) -> list[int]:
+        return end_idle(job_id, marker, keep)
+
 
 def watcher_for(node_id: str) -> Any:
     """The node's watcher, made if it is not there yet (the call returns
@@ -87,6 +124,14 @@ def watcher_for(node_id: str) -> Any:
         name=f"watcher-{node_id}", namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote()
+
+
+def existing_watcher(node_id: str) -> Any:
+    """The node's watcher if one was made, else None (none is made)."""
+    try:
+        return ray.get_actor(f"watcher-{node_id}", namespace=NAMESPACE)
+    except ValueError:
+        return None
 
 
 def ask(watcher: Any, pid: int, timeout_s: float) -> Optional[str]:

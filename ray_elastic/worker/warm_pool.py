@@ -41,7 +41,7 @@ import logging
 import os
 from typing import Callable, Optional
 
-__all__ = ["KEEP_ALIVE_S", "PRELOAD_ENV", "STAMP_ENV", "hook_env", "keep_warm", "preload"]
+__all__ = ["KEEP_ALIVE_S", "PRELOAD_ENV", "STAMP_ENV", "hook_env", "keep_warm", "preload", "usable_by"]
 
 log = logging.getLogger("ray_elastic")
 
@@ -90,6 +90,17 @@ def hook_env(program_factory: Callable, program_module: bool = True) -> dict[str
         env[STAMP_ENV] = _stamp(mod)
     env[PRELOAD_ENV] = ",".join(modules)
     return env
+
+
+def usable_by(env: dict[str, str]) -> dict[str, str]:
+    """The variables a warm process must have (unset: "") for a worker of
+    environment `env` (a run's: worker_env and hook_env) to start in it.
+    A driver's earlier runs leave warm processes of other environments
+    (another program, module edit or device count): Ray hands them to no
+    worker of this run, and each would idle for its keep-alive (a day) at
+    224 MB, so a run ends them as it starts (process_state.end_idle), as it
+    releases slices kept for another program (cluster/kept_workers.py)."""
+    return {PRELOAD_ENV: "", STAMP_ENV: "", **env}
 
 
 def _stamp(module: str) -> str:
