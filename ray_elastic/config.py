@@ -258,10 +258,9 @@ class ElasticConfig:
         Ray up and JAX, Optax and (CPU slices) the program's module
         imported, for a replacement on that host to start in: it is ready
         ~4 s sooner here (`python -m bench ready`). Costs one idle process
-        per worker (224 MB resident here); a run ends the ones it cannot
-        use (another program's). 0 turns it off (worker/warm_pool.py).
-        Where the job has its own worker_process_setup_hook, the process is
-        still started ahead but imports nothing ahead.
+        per worker (224 MB resident here; a run ends those it cannot use).
+        0 turns it off (worker/warm_pool.py). Where the job has its own
+        worker_process_setup_hook, the process starts but imports nothing.
     keep_workers: False (the default): a run's slices end with it. True: a
         run that completes keeps its slices (placement groups, processes,
         compiled steps) for this driver's next `fit` with the same program,
