@@ -7,23 +7,35 @@ documents for a step's calls."""
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 
-from ray_elastic import ElasticConfig, ElasticTrainer, Fault
+from ray_elastic import Callback, ElasticConfig, ElasticTrainer, Fault
 
 pytestmark = pytest.mark.cluster
 
 LEAK_MB = 3000
-STEPS = 40  # the leak takes a second or two to grow: the run goes on meanwhile
+STEPS = 40
+LEAK_AT = 5
+# The leak takes a second or two to grow and is held 3 s: a run whose
+# steps are fast (a warm machine: ~25 ms each) ended before the memory
+# monitor's kill, and the test saw no failure. From the leak on, each step
+# waits this long in the driver, so the run outlasts the leak.
+PACE_S = 0.15
+
+
+class Paced(Callback):
+    def on_step(self, step, metrics):
+        if step >= LEAK_AT:
+            time.sleep(PACE_S)
 
 
 def _settled_use(limit_s: float = 15.0) -> float:
     """The machine's memory in use (a fraction), once processes that an
     earlier test ended have let theirs go: read with them still exiting,
     the threshold came out too high for the leak to cross."""
-    import time
-
     end, last = time.monotonic() + limit_s, None
     while True:
         vm = psutil.virtual_memory()
@@ -51,8 +63,8 @@ def test_a_worker_killed_by_rays_memory_monitor_is_an_oom_failure_the_run_recove
                 on_tight = next(s for s in (0, 1) if trainer.hosts(s)[0]["node_id"] == tight)
 
         trainer = ElasticTrainer(lm_factory, ElasticConfig(num_slices=2, policy="resize", timeout_s=120), STEPS,
-                                 faults=(Fault("oom", 0, 5, ms=LEAK_MB), Fault("oom", 1, 5, ms=LEAK_MB)),
-                                 on_event=where)
+                                 faults=(Fault("oom", 0, LEAK_AT, ms=LEAK_MB), Fault("oom", 1, LEAK_AT, ms=LEAK_MB)),
+                                 on_event=where, callbacks=[Paced()])
         report = trainer.fit()
     finally:
         if tight in cluster.nodes:
