@@ -126,8 +126,12 @@ def test_pause_node_removed_mid_round(cluster, nodes, free, lm_factory):
                                    faults=[Fault("remove_node", 1, 5)], remove_node=cluster.remove_node)
     detected = [e for e in events if e["event"] == "detected"]
     assert detected and detected[0]["kind"] in ("node_died", "process_died"), detected
+    # The spare recomputes the round's steps up to where replica 0 is when
+    # the loss is seen: 2 where it is seen at once, more where replica 0
+    # (whose inner steps need no other replica) went on before Ray told the
+    # node gone (seen in CI: 3); never past the round's boundary.
     caught = [e for e in events if e["event"] == "diloco_caught_up"]
-    assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 2, caught
+    assert caught and caught[0]["replica"] == 1 and 2 <= caught[0]["steps"] <= H, caught
     assert _equal(trainer, free[0])
 
 
