@@ -3,12 +3,16 @@ run kept (`ElasticConfig.keep_workers`): `python -m bench kept [--runs N]
 [--steps S] [--out DIR]`.
 
 The example LM on 2 one-host slices of a local cluster, alternated round
-by round so both share the machine's load: `new`, after
+by round so all share the machine's load: `new`, after
 `release_workers()` (new worker processes, from the warm pool's idle ones
 where there are: what a run on Ray's and ray_elastic's defaults gets), then
-`kept`, on the slices the `new` run kept. Per run: seconds from `fit` to
-every slice ready (the `start` event), the whole `fit`, and whether its
-final state equals the first `new` run's bitwise (it must).
+`kept`, on the slices the `new` run kept, then `reprogrammed`: another
+program (here the seed: the same model, so the same work to build and
+compile) in the processes `kept` kept (`SliceWorker.reprogram`). Per run:
+seconds from `fit` to every slice ready (the `start` event), the whole
+`fit`, and whether its final state equals bitwise (it must) that of a run
+of its program on new workers (the first `new` run's; for `reprogrammed`,
+one made before the rounds).
 """
 
 from __future__ import annotations
@@ -18,10 +22,11 @@ import time
 
 from bench.common import lm_factory
 
-VARIANTS = ("new", "kept")
+VARIANTS = ("new", "kept", "reprogrammed")
+SEEDS = {"new": 0, "kept": 0, "reprogrammed": 1}
 
 
-def _one(factory, steps: int) -> dict:
+def _one(factory, steps: int, seed: int = 0) -> dict:
     import jax
     import numpy as np
 
@@ -29,7 +34,7 @@ def _one(factory, steps: int) -> dict:
 
     t0 = time.perf_counter()
     events: list = []
-    trainer = ElasticTrainer(factory, ElasticConfig(num_slices=2, policy="pause", keep_workers=True), steps,
+    trainer = ElasticTrainer(factory, ElasticConfig(num_slices=2, policy="pause", keep_workers=True, seed=seed), steps,
                              keep_final_state=True, on_event=lambda e: events.append((time.perf_counter() - t0, e)))
     report = trainer.fit()
     fit_s = time.perf_counter() - t0
@@ -45,16 +50,16 @@ def run(runs: int = 5, steps: int = 12) -> dict:
 
     factory = lm_factory()
     rows: dict = {v: [] for v in VARIANTS}
-    reference = None
+    release_workers()
+    reference = {SEEDS["reprogrammed"]: _one(factory, steps, SEEDS["reprogrammed"])["leaves"]}  # new workers
     for _ in range(runs):
         release_workers()
         for variant in VARIANTS:
-            r = _one(factory, steps)
+            seed = SEEDS[variant]
+            r = _one(factory, steps, seed)
             leaves = r.pop("leaves")
-            if reference is None:
-                reference = leaves
-            r["bitwise_equal"] = len(leaves) == len(reference) and all(
-                (a == b).all() for a, b in zip(leaves, reference))
+            ref = reference.setdefault(seed, leaves)
+            r["bitwise_equal"] = len(leaves) == len(ref) and all((a == b).all() for a, b in zip(leaves, ref))
             rows[variant].append(r)
     release_workers()
     out = {"runs": runs, "steps": steps, "rows": rows, "medians": {}}

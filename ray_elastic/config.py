@@ -263,13 +263,13 @@ class ElasticConfig:
         worker_process_setup_hook, the process starts but imports nothing.
     keep_workers: False (the default): a run's slices end with it. True: a
         run that completes keeps its slices (placement groups, processes,
-        compiled steps) for this driver's next `fit` with the same program,
-        seed, shard count and slice shape, which starts on them in a
-        fraction of a second with only its step-0 state made anew, and
-        computes what new workers would, bitwise. Kept slices hold their
-        resources until this driver starts a slice that cannot use them
-        (another program or shape, a replacement), `ray_elastic.release_workers()`
-        or the driver's exit
+        compiled steps) for this driver's next `fit` of the slice shape:
+        one of the same program, seed and shard count only makes its step-0
+        state anew, another program builds and compiles its own in the
+        kept processes; both compute what new workers would, bitwise. Kept
+        slices hold their resources until this driver starts a slice that
+        cannot use them (another shape, edited code, a replacement),
+        `ray_elastic.release_workers()` or the driver's exit
         (cluster/kept_workers.py). For notebooks, sweeps and test suites;
         RAY_ELASTIC_KEEP_WORKERS=1 in the driver's environment makes True
         the default.

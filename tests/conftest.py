@@ -152,11 +152,13 @@ def gcs_outage_fails_fast(monkeypatch):
     monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": short_sleep}))
 
 
-# The modules whose runs mostly share a program, seed and slice shape, one
-# test after another: there a run that completes keeps its slices for the
-# next (ElasticConfig.keep_workers, cluster/kept_workers.py). A new
-# worker's start and first steps cost ~3 s a run here, a kept one's
-# ~0.2 s, and both compute the same bits (tests/test_kept_workers_e2e.py).
+# The modules whose runs mostly share a slice shape, one test after
+# another: there a run that completes keeps its slices for the next
+# (ElasticConfig.keep_workers, cluster/kept_workers.py), which takes them
+# as they are (the same program, seed and shard count) or builds its own
+# program in their processes. A new worker's start and first steps cost
+# ~3 s a run here, a kept one's ~0.2 s (~1 s with another program), and all
+# compute the same bits (tests/test_kept_workers_e2e.py).
 # Modules left out change shape from test to test (a kept slice of
 # another shape is ended first, which costs more than it saves), start
 # drivers of their own on the shared cluster (the kept slices would hold
@@ -165,7 +167,7 @@ KEPT_MODULES = {
     "test_diloco_e2e", "test_integrity_e2e", "test_shapes_e2e", "test_group_leaders_e2e", "test_grain_e2e",
     "test_streaming_diloco_e2e", "test_demo_e2e", "test_step_contract_e2e", "test_false_alarms_e2e",
     "test_snapshot_interval_e2e", "test_exchange_e2e", "test_checkpoint_integrity_e2e",
-    "test_sharded_e2e", "test_elastic_e2e", "test_snapshots_e2e",
+    "test_sharded_e2e", "test_elastic_e2e", "test_snapshots_e2e", "test_pretrained_e2e", "test_stragglers_e2e",
 }
 
 

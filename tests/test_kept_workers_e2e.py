@@ -1,8 +1,9 @@
 """Slices kept from a completed run for the driver's next one
 (ElasticConfig.keep_workers, cluster/kept_workers.py), on a real local
-cluster: the next run starts in the same processes and computes, bit for
-bit, what new workers compute; a run with a fault injected, a run that
-cannot use them and `release_workers()` leave none behind."""
+cluster: the next run starts in the same processes, with the same program
+or another, and computes, bit for bit, what new workers compute; a run
+with a fault injected, a run that cannot use them and `release_workers()`
+leave none behind."""
 
 from __future__ import annotations
 
@@ -61,13 +62,22 @@ def _gone(pids, within_s: float = 30.0) -> bool:
     return False
 
 
-def _idle_processes(cluster, settle_s: float = 3.0) -> int:
+def _idle_processes(cluster, settle_s: float = 3.0, at_least: int = 0, within_s: float = 30.0) -> int:
     """Ray's idle worker processes of `cluster` (the warm pool's among
     them: children of its raylets, not another cluster's on this machine),
-    once those asked for have had time to start."""
+    once those asked for have had time to start (`settle_s`, and on a
+    loaded machine up to `within_s` for `at_least` of them)."""
+    end = time.monotonic() + within_s
+    while True:
+        time.sleep(settle_s)
+        count = _idle_now(cluster)
+        if count >= at_least or time.monotonic() > end:
+            return count
+
+
+def _idle_now(cluster) -> int:
     import os
 
-    time.sleep(settle_s)
     session = os.path.basename(os.path.dirname(cluster.logs_dir))
     count = 0
     for p in psutil.process_iter(["cmdline"]):
@@ -102,7 +112,7 @@ def fresh(nodes):
 def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh, cluster, lm_factory):
     first, pids1, kept1 = _run(lm_factory)
     assert kept1 == {0: False, 1: False}  # nothing was kept before it
-    idle = _idle_processes(cluster)
+    idle = _idle_processes(cluster, at_least=1)
     assert idle > 0  # the warm pool's, at least
     # A `slow` fault (a delay, no change in value) taints slice 1's worker.
     second, pids2, kept2 = _run(lm_factory, faults=(Fault("slow", 1, 2, ms=50),))
@@ -157,10 +167,35 @@ def test_kept_multi_host_sharded_slices_end_bitwise_equal(nodes):
     assert _bitwise(first.final_state, second.final_state)
 
 
-def test_another_seed_or_release_workers_ends_the_kept_ones(fresh, cluster, lm_factory):
+def test_another_program_runs_in_the_kept_processes_and_ends_bitwise_equal(fresh, lm_factory):
+    """Another program (another model width, and another seed) on slices
+    of the same shape: the kept processes drop the last program and build
+    and compile the new one (SliceWorker.reprogram), computing what new
+    workers compute; then the first program again, in them still."""
+    import functools
+
+    import examples.lm as lm
+
+    other = functools.partial(lm.make_program, lm.LMConfig(d_model=32, mlp_dim=128))
+    reference, ref_pids, kept0 = _run(other, keep=False, seed=1)  # new workers, none kept after
+    assert kept0 == {0: False, 1: False}
+    first, pids1, _ = _run(lm_factory)
+    assert _gone([p for ps in ref_pids.values() for p in ps])
+    second, pids2, kept2 = _run(other, seed=1)
+    assert kept2 == {0: True, 1: True} and pids2 == pids1
+    assert _bitwise(reference.final_state, second.final_state)
+    assert not _bitwise(first.final_state, second.final_state)  # another program's state, not a stale one
+    third, pids3, kept3 = _run(lm_factory)
+    assert kept3 == {0: True, 1: True} and pids3 == pids1
+    assert _bitwise(first.final_state, third.final_state)
+
+
+def test_another_shape_or_release_workers_ends_the_kept_ones(fresh, cluster, lm_factory):
     _, pids1, _ = _run(lm_factory)
     events = []
-    _, pids2, kept2 = _run(lm_factory, seed=1, events=events)  # other workers' programs: the kept ones are released
+    # Two devices a host: another environment (XLA's device count), so
+    # other processes: the kept ones are released.
+    _, pids2, kept2 = _run(lm_factory, slice=CpuSlice(devices_per_host=2), events=events)
     assert kept2 == {0: False, 1: False}
     assert _gone([p for ps in pids1.values() for p in ps])
     # The new workers waited for the released processes on their nodes to
@@ -193,17 +228,18 @@ def test_an_edited_module_of_the_users_gives_another_key(tmp_path, monkeypatch):
     import importlib
     import sys
 
-    from ray_elastic.cluster.kept_workers import kept_key
+    from ray_elastic.cluster.kept_workers import kept_key, process_key
 
     (tmp_path / "my_model_for_kept.py").write_text("WIDTH = 64\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     mod = importlib.import_module("my_model_for_kept")
     try:
         factory = functools.partial(max, 1)  # its module says nothing of the model's
-        before = kept_key(factory, 0)
-        assert kept_key(factory, 0) == before
+        before = process_key(factory, "shape")
+        assert process_key(factory, "shape") == before
+        assert kept_key(factory, before, 0) != kept_key(factory, before, 1)  # another seed: the same processes
         (tmp_path / "my_model_for_kept.py").write_text("WIDTH = 128  # edited\n")
-        assert kept_key(factory, 0) != before
+        assert process_key(factory, "shape") != before  # new processes: none has the old module
         assert mod.WIDTH == 64
     finally:
         sys.modules.pop("my_model_for_kept", None)

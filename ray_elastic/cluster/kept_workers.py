@@ -10,13 +10,20 @@ re-running a cell, a sweep over step counts, a test suite) can keep a
 finished run's slices: their placement groups, processes and compiled
 steps. The next run takes them and only makes its own step-0 state
 (`SliceWorker.renew`), so it starts in a fraction of a second and computes
-bit for bit what new workers compute.
+bit for bit what new workers compute. A run of another program, seed or
+shard count on slices of the same shape (the same hosts, devices,
+environment, compile cache and user code files) takes their processes and
+JAX systems and builds and compiles its own program in them
+(`SliceWorker.reprogram`): it skips the process start, the imports and
+JAX's start, and computes what new workers compute too. A program that
+changes JAX's global settings (`jax.config`) at build time leaves them
+set for the next program of its processes.
 
 Only a run that completed keeps its slices, and only those whose workers
 say they are fit to (`SliceWorker.reusable`: no fault injected, no
 preemption notice). Kept slices are released, their groups removed and
 their processes ended, by the first run of this driver that cannot use
-them (a different program, seed, shape or Ray session), by a slice
+them (a different shape, environment, edited code or Ray session), by a slice
 started with none kept for it (a new slice, a replacement: the node it
 needs may be one they hold), by
 `release_workers()`, and by Ray when the driver exits.
@@ -36,7 +43,7 @@ from typing import Any, Optional
 import ray
 from ray.util.placement_group import remove_placement_group
 
-__all__ = ["KeptSlice", "held", "kept_key", "park", "release_workers", "session", "take"]
+__all__ = ["KeptSlice", "held", "kept_key", "park", "process_key", "release_workers", "session", "take"]
 
 log = logging.getLogger("ray_elastic")
 
@@ -46,6 +53,7 @@ class KeptSlice:
     """One finished run's slice, parked for the next run."""
 
     key: str  # what its workers were built for (kept_key)
+    process: str  # what its processes were started for (process_key)
     slice_id: int
     placement_group: Any
     tpu_handle: Any  # ray.util.tpu's SlicePlacementGroup, or None
@@ -58,19 +66,29 @@ _lock = threading.Lock()
 _kept: list[KeptSlice] = []
 
 
-def kept_key(program_factory: Any, *parts: Any) -> str:
-    """A digest of everything a slice's workers were built from (the
-    program factory, and with it `parts`: seed, shard count, slice shape,
-    environment, compile cache): two runs share workers only where these
-    are equal. cloudpickle writes a function of the driver's own (a
-    notebook's cell) by value but one of a module by name only, so the
-    files (size and time) of the modules that could hold the program's
-    code count too: the factory's package's, and every module loaded from
-    outside the Python installation (the user's own). An edited module
-    gets new workers, never stale ones."""
+def process_key(program_factory: Any, *parts: Any) -> str:
+    """A digest of what a slice's processes were started for (`parts`:
+    slice shape, environment, compile cache) and of the code they could
+    have imported: two runs share processes only where these are equal.
+    cloudpickle writes a function of the driver's own (a notebook's cell)
+    by value but one of a module by name only, and a process imports a
+    module once: so the files (size and time) of the modules that could
+    hold the program's code count, the factory's package's and every
+    module loaded from outside the Python installation (the user's own).
+    An edited module gets new processes, never stale ones."""
     from ray import cloudpickle
 
-    return hashlib.sha256(cloudpickle.dumps((program_factory, _code_files(program_factory)) + parts)).hexdigest()
+    return hashlib.sha256(cloudpickle.dumps((_code_files(program_factory),) + parts)).hexdigest()
+
+
+def kept_key(program_factory: Any, process: str, *parts: Any) -> str:
+    """A digest of everything a slice's workers were built from: their
+    processes (`process`, process_key), the program factory and `parts`
+    (seed, shard count). Two runs share workers as they are (compiled
+    step and all) only where these are equal."""
+    from ray import cloudpickle
+
+    return hashlib.sha256(cloudpickle.dumps((program_factory, process) + parts)).hexdigest()
 
 
 def _code_files(program_factory: Any) -> tuple:
@@ -109,16 +127,21 @@ def park(kept: KeptSlice) -> None:
         _kept.append(kept)
 
 
-def take(key: str, slice_id: int, ping_timeout_s: float = 2.0) -> Optional[KeptSlice]:
-    """The kept slice for `slice_id` of a run with `key`, its workers
-    answering; None where there is none. Every kept slice of another key
-    or Ray session is released first: it is of no use to this driver's
-    runs from now on and holds resources they may need."""
+def take(process: str, key: str, slice_id: int, ping_timeout_s: float = 2.0) -> Optional[KeptSlice]:
+    """A kept slice for slice `slice_id` of a run whose processes have the
+    key `process` and whose workers the key `key`, its workers answering;
+    None where there is none. Any kept slice of the same processes
+    serves (a slice's number is only the run's name for it), first one
+    built for the same program, then one of the same number. Every kept
+    slice of another process key or Ray session is released first: it
+    is of no use to this driver's runs from now on and holds resources
+    they may need."""
     with _lock:
-        mine = [k for k in _kept if k.key == key and k.session == session()]
+        mine = [k for k in _kept if k.process == process and k.session == session()]
         others = [k for k in _kept if k not in mine]
         _kept[:] = mine
-        found = next((k for k in mine if k.slice_id == slice_id), None)
+        ranked = sorted(mine, key=lambda k: (k.key != key, k.slice_id != slice_id))
+        found = ranked[0] if ranked else None
         if found is not None:
             _kept.remove(found)
     for k in others:
@@ -128,7 +151,7 @@ def take(key: str, slice_id: int, ping_timeout_s: float = 2.0) -> Optional[KeptS
     try:
         ray.get([w.ping.remote() for w in found.workers], timeout=ping_timeout_s)
     except Exception as e:  # a worker or its node went while parked
-        log.info("a kept worker of slice %d is gone (%s): starting new ones", slice_id, type(e).__name__)
+        log.info("a kept worker of slice %d is gone (%s): starting new ones", found.slice_id, type(e).__name__)
         _release(found)
         return None
     return found

@@ -184,7 +184,11 @@ class RaySlices:
         # everything their workers were built from is the same, whether
         # this run keeps its own or not (kept_workers.py).
         self._keep = keep_workers
-        self._keep_key = kept_workers.kept_key(program_factory, seed, num_shards, spec, self._env, compile_cache_dir)
+        # The warm pool's part of the environment names the program's
+        # module for new processes to import ahead: of no matter to a
+        # started one, which imports this run's program as it unpickles it.
+        self._process_key = kept_workers.process_key(program_factory, spec, worker_env(spec), compile_cache_dir)
+        self._keep_key = kept_workers.kept_key(program_factory, self._process_key, seed, num_shards)
 
     # -- placement groups -------------------------------------------------
 
@@ -275,7 +279,7 @@ class RaySlices:
             return None
         # A slice this run started before (a replacement) takes none: the
         # kept ones left are of no use to it, and may hold the node it needs.
-        kept = None if slice_id in self._pgs else kept_workers.take(self._keep_key, slice_id)
+        kept = None if slice_id in self._pgs else kept_workers.take(self._process_key, self._keep_key, slice_id)
         if kept is None:
             kept_workers.release_workers()
         left = kept_workers.held()
@@ -287,15 +291,18 @@ class RaySlices:
         self._pgs[slice_id] = kept.placement_group
         if kept.tpu_handle is not None:
             self._tpu_handles[slice_id] = kept.tpu_handle
-        # A kept multi-host slice keeps its JAX system: no coordinator to start.
-        return Provisioning(
-            slice_id=slice_id,
-            workers=kept.workers,
-            info_refs=[w.info.remote() for w in kept.workers],
-            setup_refs=[w.renew.options(concurrency_group="compute").remote(self._warm, *self._checks)  # after any call left from the last run
-                        for w in kept.workers],
-            started_at=time.monotonic(),
-        )
+        # A kept multi-host slice keeps its JAX system: no coordinator to
+        # start. Its workers start the run after any call left from the
+        # last ("compute" group): as they are, or with this run's program.
+        if kept.key == self._keep_key:
+            setup_refs = [w.renew.options(concurrency_group="compute").remote(slice_id, self._warm, *self._checks)
+                          for w in kept.workers]
+        else:
+            setup_refs = [w.reprogram.options(concurrency_group="compute").remote(
+                slice_id, self._factory, self._seed, self._num_shards, self._cache_dir, self._warm, *self._checks)
+                for w in kept.workers]
+        return Provisioning(slice_id=slice_id, workers=kept.workers, info_refs=[w.info.remote() for w in kept.workers],
+                            setup_refs=setup_refs, started_at=time.monotonic())
 
     @staticmethod
     def poll(p: Provisioning) -> Optional[LiveSlice]:
@@ -403,7 +410,7 @@ class RaySlices:
         for live in keep if self._keep else ():
             if live.slice_id in self._pgs and _reusable(live.workers):
                 kept_workers.park(kept_workers.KeptSlice(
-                    self._keep_key, live.slice_id, self._pgs.pop(live.slice_id),
+                    self._keep_key, self._process_key, live.slice_id, self._pgs.pop(live.slice_id),
                     self._tpu_handles.pop(live.slice_id, None), list(live.workers), list(live.infos),
                     kept_workers.session()))
         for slice_id, pg in self._pgs.items():

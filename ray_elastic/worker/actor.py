@@ -109,6 +109,7 @@ class SliceWorker:
         # Made by `setup`: the layout, the compiled step, the step, the state's transfers and checkpoints.
         self._layout = self._compiled = self._steps = self._transfer = self._checkpoints = None
         self._devices = 0
+        self._jax_devices: list = []  # the slice's JAX devices, once started (setup)
 
     @property
     def params(self) -> Any:
@@ -157,16 +158,19 @@ class SliceWorker:
         out = self._setup(coordinator, compile_cache_dir, predecessors)
         return self._ready(out, warm_workers, state_check_every, grad_check_every, final_step)
 
-    def renew(self, warm_workers: int = 0, state_check_every: int = 0, grad_check_every: int = 0,
+    def renew(self, slice_id: int, warm_workers: int = 0, state_check_every: int = 0, grad_check_every: int = 0,
               final_step: int = 0) -> dict:
         """Serve a new run of the driver in this process, kept from its
         last (cluster/kept_workers.py): the JAX system, layout and compiled
         step stay; everything of a run (the held state, from its step-0
         state again; the batches read ahead; aborts, counters, snapshots
         and checkpoint writers) is made anew, so the run computes what new
-        workers would. The arguments and reply are setup's; no warm
-        process is asked for again (the one set-up asked for stays)."""
+        workers would, as slice `slice_id` of the new run (a number the
+        worker only names its messages with). The other arguments and the
+        reply are setup's; no warm process is asked for again (the one
+        set-up asked for stays)."""
         t0, at = time.perf_counter(), time.time()
+        self.slice_id = slice_id
         self._steps.close()
         self._gc.thaw()
         self._aborts = Aborts()
@@ -181,6 +185,35 @@ class SliceWorker:
         # The warm process this worker asked for at its set-up is still
         # there, unused (a replacement takes it): asking again would pile
         # up idle processes run after run.
+        return self._ready(out, 0, state_check_every, grad_check_every, final_step)
+
+    def reprogram(self, slice_id: int, program_factory: Callable[[], TrainProgram], seed: int, num_shards: int,
+                  compile_cache_dir: str = "", warm_workers: int = 0, state_check_every: int = 0,
+                  grad_check_every: int = 0, final_step: int = 0) -> dict:
+        """Serve a new run of the driver that trains another program (or
+        seed, or shard count) on a slice of the same shape, in this
+        process, kept from its last (cluster/kept_workers.py): the JAX
+        system stays (the backend, and a multi-host slice's
+        jax.distributed, which cannot start twice in one process), the
+        last run's program, compiled step and state are dropped, and the
+        new program is built and compiled as `setup` does, as slice
+        `slice_id` of the new run. Other arguments and reply as setup's;
+        no warm process is asked for again."""
+        t0, at = time.perf_counter(), time.time()
+        self.slice_id = slice_id
+        self._steps.close()
+        self._gc.thaw()
+        self._layout = self._compiled = self._steps = self._transfer = self._checkpoints = None
+        self._held = HeldState()
+        self._aborts = Aborts()
+        self._exchange = ExchangeStats(self.slice_id)
+        self._first_apply_done = False
+        self._factory, self._seed, self._num_shards = program_factory, seed, num_shards
+        marks = [("setup_start", time.time())]
+        out = self._build(self._jax_devices, compile_cache_dir, t0, marks)
+        # kept_process: the last run's parts dropped; then setup's phases from program_build on.
+        out["phases"] = {"kept_process": phase_seconds(at, marks[0][1]),
+                         **{name: phase_seconds(a, b) for (_, a), (name, b) in zip(marks, marks[1:])}}
         return self._ready(out, 0, state_check_every, grad_check_every, final_step)
 
     def reusable(self) -> bool:
@@ -206,7 +239,16 @@ class SliceWorker:
         node = _node_id() if predecessors else ""
         gone = wait_gone(predecessors, node)
         marks.append(("predecessors", time.time()))
-        devices = start_jax(coordinator, compile_cache_dir, self.hosts, self.host, marks)
+        self._jax_devices = devices = start_jax(coordinator, compile_cache_dir, self.hosts, self.host, marks)
+        out = self._build(devices, compile_cache_dir, t0, marks)
+        out["phases"] = readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
+        out["predecessors"] = gone
+        return out
+
+    def _build(self, devices: list, compile_cache_dir: str, t0: float, marks: list) -> dict:
+        """The program built and laid out over `devices`, its step
+        compiled and a run's parts made over them (marks from
+        `program_build` on)."""
         cache = HostCompileCache(compile_cache_dir)  # hosts JAX's own cache misses (host_cache.py)
         self._layout = layout = lay_out(devices, self._factory, self._seed, marks, cache.compile)
         self._held.start(layout.initial)
@@ -217,10 +259,9 @@ class SliceWorker:
         self._devices = len(devices)
         self._compiled = compile_step(layout, self._seed, self._num_shards, marks, eager_state, cache.compile)
         self._build_run(self._compiled)
-        phases = readiness_phases(self._created_at, _MODULE_AT, self._init_at, marks)
-        return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "phases": phases,
-                "ready_at": marks[-1][1], "per_host": layout.sharded,
-                "host_cache": {"hits": cache.hits, "misses": cache.misses}, "predecessors": gone}
+        return {"setup_s": time.perf_counter() - t0, "devices": len(devices), "ready_at": marks[-1][1],
+                "per_host": layout.sharded, "host_cache": {"hits": cache.hits, "misses": cache.misses},
+                "predecessors": None}
 
     def _build_run(self, compiled: Any) -> None:
         """A run's parts over the layout and compiled step (the held state
