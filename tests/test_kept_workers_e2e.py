@@ -1,9 +1,9 @@
 """Slices kept from a completed run for the driver's next one
 (ElasticConfig.keep_workers, cluster/kept_workers.py), on a real local
 cluster: the next run starts in the same processes, with the same program
-or another, and computes, bit for bit, what new workers compute; a run
-with a fault injected, a run that cannot use them and `release_workers()`
-leave none behind."""
+or another, and computes, bit for bit, what new workers compute, after a
+run with faults that last only for it too; a fault that outlasts its run,
+a run that cannot use them and `release_workers()` leave none behind."""
 
 from __future__ import annotations
 
@@ -114,22 +114,31 @@ def test_the_next_run_starts_in_the_kept_processes_and_ends_bitwise_equal(fresh,
     assert kept1 == {0: False, 1: False}  # nothing was kept before it
     idle = _idle_processes(cluster, at_least=1)
     assert idle > 0  # the warm pool's, at least
-    # A `slow` fault (a delay, no change in value) taints slice 1's worker.
-    second, pids2, kept2 = _run(lm_factory, faults=(Fault("slow", 1, 2, ms=50),))
+    # Faults that last only for their run: a delay, and a bit flipped in
+    # every gradient slice 1 sends from step 3 on (both slices apply the
+    # flipped sum: they stay equal, and the run ends on other bits).
+    faults = (Fault("slow", 1, 2, ms=50), Fault("corrupt", 1, 3, target="grads+"))
+    second, pids2, kept2 = _run(lm_factory, faults=faults)
     assert kept2 == {0: True, 1: True}
     assert pids2 == pids1  # the same processes, not new ones
-    # Its step-0 state made again: the same bits as the run before (new workers).
-    assert _bitwise(first.final_state, second.final_state)
+    assert not _bitwise(first.final_state, second.final_state)  # the corruption took effect
     # The warm processes the first run's workers asked for serve them still:
     # a kept worker asks for none again (they would pile up run after run).
     assert _idle_processes(cluster) <= idle
-    # A run that keeps nothing still takes what was kept: slice 0's worker;
-    # slice 1's, which had a fault injected, was not kept.
-    third, pids3, kept3 = _run(lm_factory, keep=False)
-    assert kept3 == {0: True, 1: False}
-    assert pids3[0] == pids1[0] and pids3[1] != pids1[1]
+    # Both processes were kept through those faults, and the next run in
+    # them computes what new workers computed, bit for bit: no fault
+    # outlasted its run. An `oom` fault, whose process may keep the memory
+    # it touched, is not kept past its run.
+    third, pids3, kept3 = _run(lm_factory, faults=(Fault("oom", 1, 2, ms=64),))
+    assert kept3 == {0: True, 1: True} and pids3 == pids1
     assert _bitwise(first.final_state, third.final_state)
-    assert _gone([p for ps in (pids1, pids3) for x in ps.values() for p in x])
+    # A run that keeps nothing still takes what was kept: slice 0's worker;
+    # slice 1's, which had an `oom` fault, was not kept.
+    fourth, pids4, kept4 = _run(lm_factory, keep=False)
+    assert kept4 == {0: True, 1: False}
+    assert pids4[0] == pids1[0] and pids4[1] != pids1[1]
+    assert _bitwise(first.final_state, fourth.final_state)
+    assert _gone([p for ps in (pids1, pids4) for x in ps.values() for p in x])
     assert release_workers() == 0
 
 

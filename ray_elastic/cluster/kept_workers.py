@@ -20,8 +20,9 @@ changes JAX's global settings (`jax.config`) at build time leaves them
 set for the next program of its processes.
 
 Only a run that completed keeps its slices, and only those whose workers
-say they are fit to (`SliceWorker.reusable`: no fault injected, no
-preemption notice). Kept slices are released, their groups removed and
+say they are fit to (`SliceWorker.reusable`: no preemption notice, no
+fault that outlasts its run; a `slow`, `gil` or `corrupt` fault does not,
+as the next run's steps are made anew). Kept slices are released, their groups removed and
 their processes ended, by the first run of this driver that cannot use
 them (a different shape, environment, edited code or Ray session), by a slice
 started with none kept for it (a new slice, a replacement: the node it

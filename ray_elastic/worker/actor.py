@@ -104,7 +104,8 @@ class SliceWorker:
         # the heap is frozen once built (gc_pauses.py).
         self._gc = GcPauses()
         self._first_apply_done = False
-        # A fault injected or a preemption notice: no later run may keep this process (reusable).
+        # A fault that outlasts its run (an `oom` fault's touched memory) or a
+        # preemption notice: no later run may keep this process (reusable).
         self._tainted = False
         # Made by `setup`: the layout, the compiled step, the step, the state's transfers and checkpoints.
         self._layout = self._compiled = self._steps = self._transfer = self._checkpoints = None
@@ -217,8 +218,11 @@ class SliceWorker:
         return self._ready(out, 0, state_check_every, grad_check_every, final_step)
 
     def reusable(self) -> bool:
-        """Whether a later run may keep this process: no fault was
-        injected into it and no preemption notice came."""
+        """Whether a later run may keep this process: no fault that
+        outlasts its run was injected into it and no preemption notice
+        came. A `slow` or `corrupt` fault lives in the run's steps, which
+        renew and reprogram make anew, and a `gil` fault is over once its
+        call returns: a later run of this process has neither."""
         return not self._tainted and self._notice.at is None
 
     def _ready(self, out: dict, warm_workers: int, state_check_every: int, grad_check_every: int,
@@ -507,9 +511,8 @@ class SliceWorker:
         return True
 
     def slow_down(self, ms: int) -> None:
-        """A `slow` fault (failures/faults.py): every gradient call from now
-        on takes `ms` milliseconds longer, as on a straggling host."""
-        self._tainted = True
+        """A `slow` fault (failures/faults.py): every gradient call of this
+        run from now on takes `ms` milliseconds longer, as on a straggler."""
         self._steps.delay_s = ms / 1000.0
 
     def hold_gil(self, ms: int) -> None:
@@ -518,8 +521,6 @@ class SliceWorker:
         extension does: no thread of this process (pings included) runs
         Python meanwhile, yet the process is alive and busy."""
         import ctypes
-
-        self._tainted = True
 
         class Timespec(ctypes.Structure):
             _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
@@ -530,7 +531,9 @@ class SliceWorker:
     def eat_memory(self, mb: int) -> None:
         """An `oom` fault (failures/faults.py): allocate and touch `mb`
         megabytes in 64 MB pieces, hold them 3 s, let them go: a leak that
-        Ray's memory monitor may end by killing this process."""
+        Ray's memory monitor may end by killing this process. The process
+        may keep the memory it touched (the allocator need not give it
+        back): no later run keeps it (reusable)."""
         import numpy as np
 
         self._tainted = True
@@ -543,6 +546,5 @@ class SliceWorker:
         next apply's new state on one device ("state"), of the next
         gradient sent ("grads"), or of the next cross-check's computation
         ("check"); `lasting`: at every step from then on, as a chip gone
-        bad would."""
-        self._tainted = True
+        bad would, for this run (the next run's steps are new)."""
         self._steps.corrupt = (target, lasting)
