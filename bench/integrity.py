@@ -29,8 +29,9 @@ One local cluster of 4 nodes, the example LM (`examples/lm.py`).
    3 steps: found by which check, named, rolled back past its last clean
    check, bitwise equal.
 5. `straggler`: 2 slices and a hot spare, the small model, slice 1 slowed
-   from step 10 by half the median step (a `slow` fault: +50% step time),
-   `straggler_steps` at its default: the step it was named at, the step
+   from step 10 by the median step (a `slow` fault: +100% step time),
+   600 steps, `straggler_steps` and `straggler_min_s` at their defaults
+   (10 steps and 10 s of slow gradient calls): the step it was named at, the step
    the spare took its place, the steps redone, and the run's throughput
    (steps per second from its start to its end) against the same run with
    straggler detection off, which keeps the slow slice all along (the
@@ -93,8 +94,8 @@ def _straggler(log) -> dict:
 
     factory = functools.partial(lm.make_program, lm.PRESETS["small"])
     base = _run("small", 2, 40, 0)
-    slow_ms = max(1, round(0.5 * base["median_step_s"] * 1000))
-    steps, slow_at = 300, 10
+    slow_ms = max(1, round(base["median_step_s"] * 1000))
+    steps, slow_at = 600, 10  # long enough to run on well past the swap (straggler_min_s: 10 s of slow calls)
     out: dict = {"median_step_s": base["median_step_s"], "slow_ms": slow_ms, "slow_from_step": slow_at}
     for name, factor, spares in (("detected", 1.3, 1), ("kept_slow", 0.0, 0)):
         holder: dict = {}

@@ -209,8 +209,7 @@ class ElasticConfig:
         one a failure-free run does; "shrink" drops the lost slices' shards.
     step_deadline_floor_s / step_deadline_factor: a step that takes longer
         than max(floor, factor * median step time) marks its slice hung.
-    first_step_deadline_s: the same for the first step after a (re)start,
-        which includes the XLA compile.
+    first_step_deadline_s: the same for a (re)start's first step (with the compile).
     heartbeat_timeout_s: while a step runs, every host of a slice still
         computing is pinged on a thread of its own (a healthy worker answers
         however long its step); one that leaves a ping unanswered this long
@@ -222,28 +221,27 @@ class ElasticConfig:
         state it holds and the controller compares the replicas (default
         10; 1 checks every step: a thread reads the state while the next
         step's gradients compute, and the next apply reports it; a slice
-        of several hosts reads it within the apply). A slice whose state differs from the others' is
-        evicted as corrupted and the run rolls back to the newest snapshot
-        the replicas agreed on (control/integrity.py, docs/integrity.md).
-        0 turns the checks off.
+        of several hosts reads it within the apply). A slice whose state
+        differs from the others' is evicted as corrupted and the run rolls
+        back to the newest snapshot the replicas agreed on
+        (control/integrity.py, docs/integrity.md). 0 turns the checks off.
     grad_check_every: every this many steps one shard's gradient is
         computed again by the next one or two live slices (rotating) and
         the fingerprints compared, which catches a slice whose gradients
-        are wrong (they leave the replicas equal). Default 50; 0 turns the
-        cross-checks off.
-    straggler_factor / straggler_steps: a slice whose gradients take more
-        than factor times the other slices' median per shard, for that many
-        steps in a row, is a straggler: with a ready spare it is swapped
-        out at a step boundary (no step lost; its node not used again);
-        under resize without one it is taken out when the others alone are
-        faster (n / (n - 1) below its slowdown); otherwise it is reported
-        (event, metric, progress line). Defaults 1.3 and 10; a factor of 0
-        turns it off.
+        are wrong (they leave the replicas equal). Default 50; 0: off.
+    straggler_factor / straggler_steps / straggler_min_s: a slice whose
+        gradients take more than factor times the other slices' median per
+        shard, for that many steps in a row and that many seconds of its
+        gradient calls (a lasting slowdown, not a host busy for a moment),
+        is a straggler: with a ready spare it is swapped out at a step
+        boundary (no step lost; its node not used again); under resize
+        without one it is taken out when the others alone are faster (n /
+        (n - 1) below its slowdown); else it is reported (event, metric,
+        progress line). Defaults 1.3, 10 and 10 s; a factor of 0: off.
     spare_slices: standby slices reserved, started and compiled ahead of
         time (they hold no training state): on a failure a spare takes the
         failed slice's place at the next step boundary, and the failed
-        slice's replacement becomes the new spare. Costs the spares'
-        hardware for the whole run.
+        slice's replacement becomes the new spare (their hardware all run).
     batch_shards: the shards of each step's global batch (default
         num_slices, one per slice). Set it to the original run's value to
         resume a checkpoint on another number of slices with the same data
@@ -271,8 +269,7 @@ class ElasticConfig:
         cannot use them (another shape, edited code, a replacement),
         `ray_elastic.release_workers()` or the driver's exit
         (cluster/kept_workers.py). For notebooks, sweeps and test suites;
-        RAY_ELASTIC_KEEP_WORKERS=1 in the driver's environment makes True
-        the default.
+        RAY_ELASTIC_KEEP_WORKERS=1 in the driver's environment: True.
     slices_per_leader: 0 (the default): the driver calls every slice
         itself, two calls per slice per step plus the reduction tree. N:
         one group leader actor per about N slices, beside the driver, makes
@@ -329,6 +326,7 @@ class ElasticConfig:
     grad_check_every: int = 50
     straggler_factor: float = 1.3
     straggler_steps: int = 10
+    straggler_min_s: float = 10.0
     first_step_deadline_s: float = 120.0
     compile_cache_dir: str = work_path("xla-cache")
     seed: int = 0
@@ -440,6 +438,8 @@ class ElasticConfig:
                               f"got {self.straggler_factor!r}")
         if not _count(self.straggler_steps) or self.straggler_steps < 1:
             raise ConfigError("straggler_steps", f"must be an integer >= 1, got {self.straggler_steps!r}")
+        if not _number(self.straggler_min_s) or self.straggler_min_s < 0:
+            raise ConfigError("straggler_min_s", f"must be >= 0 seconds, got {self.straggler_min_s!r}")
         for name in ("state_check_every", "grad_check_every"):
             if not _count(getattr(self, name)) or getattr(self, name) < 0:
                 raise ConfigError(name, f"must be an integer >= 0 steps (0 turns the checks off), "

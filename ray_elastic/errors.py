@@ -141,7 +141,8 @@ class SliceCorrupted(SliceFailure):
 
 class SliceStraggling(SliceFailure):
     """The slice computed its gradients slower than the others by
-    `straggler_factor` for `straggler_steps` steps in a row, and is taken
+    `straggler_factor` for `straggler_steps` steps in a row (and
+    `straggler_min_s` seconds of its gradient calls), and is taken
     out at a step boundary (a spare takes its place, or, under resize,
     the others train on without it when that is faster): no step is lost.
     Its node is not used again in the run."""

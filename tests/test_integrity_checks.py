@@ -14,7 +14,7 @@ from ray_elastic import ElasticConfig
 from ray_elastic.control.checking import Checks
 from ray_elastic.control.stragglers import Straggler, Stragglers
 from ray_elastic.control.integrity import Divergence, StateChecks, spend_retry
-from ray_elastic.errors import RunFailed
+from ray_elastic.errors import ConfigError, RunFailed
 
 GOOD, BAD = [11, 11, 11, 11], [11, 99, 11, 11]
 
@@ -765,6 +765,31 @@ def test_a_slice_slow_for_the_set_steps_is_named_once_with_its_action():
     # It recovers, then slows again: reported again after the set steps.
     assert _observe(det, 10, _times(s0=0.1, s1=0.1)) is None
     assert [_observe(det, k, _times(s0=0.1, s1=0.2)) is not None for k in (11, 12, 13)] == [False, False, True]
+
+
+def test_a_slowdown_of_too_few_seconds_is_not_a_straggler():
+    """Ten slow steps of 50 ms (a warm process starting beside a healthy
+    worker made it 2.8x slower for that long) are half a second: not a
+    lasting slowdown. A real one is named once its slow gradient calls add
+    up to min_s, reported with the steps it took."""
+    det = Stragglers(factor=1.3, steps=10, min_s=10.0)
+    fast = _times(s0=0.025, s1=0.07)  # 2 shards: slice 1's calls take 0.14 s a step
+    assert all(_observe(det, k, fast) is None for k in range(1, 11))
+    assert _observe(det, 11, _times(s0=0.025, s1=0.025)) is None  # over: the count and the seconds start again
+    slow = _times(s0=0.5, s1=1.0)  # 2 s a step
+    assert [_observe(det, k, slow) for k in range(12, 21)] == [None] * 9  # 18 s, but 9 steps
+    found = _observe(det, 21, slow)
+    assert (found.step, found.slice_id, found.steps, found.ratio) == (21, 1, 10, 2.0)
+    det = Stragglers(factor=1.3, steps=10, min_s=10.0)
+    found = [k for k in range(1, 200) if _observe(det, k, fast) is not None]
+    assert found == [72]  # 72 steps of 0.14 s: the first past 10 s; then reported once only
+
+
+def test_straggler_min_s_is_checked():
+    for bad in (-1.0, float("nan"), "10"):
+        with pytest.raises(ConfigError, match="straggler_min_s"):
+            ElasticConfig(straggler_min_s=bad)
+    assert ElasticConfig().straggler_min_s == 10.0
 
 
 def test_a_fast_step_resets_the_count():

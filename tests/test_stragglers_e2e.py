@@ -22,6 +22,9 @@ STEPS = 20
 SLOW_AT = 4
 SLOW_MS = 400  # several times the small LM's gradient time per step here
 AFTER = 4  # straggler_steps
+# straggler_min_s: the fault's AFTER slow steps add up to 1.6 s, its first
+# three to 1.2 s (the default 10 s would take 25 of them).
+MIN_S = 1.0
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +42,7 @@ def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, re
     # warm process starting beside the slices once made a healthy slice
     # 1.7x slower for the first steps, over the default 1.3.
     config = ElasticConfig(num_slices=2, policy="pause", spare_slices=1, straggler_steps=AFTER, timeout_s=120.0,
-                           straggler_factor=3.0)
+                           straggler_factor=3.0, straggler_min_s=MIN_S)
     holder: dict = {}
 
     def spare_up_first(e):
@@ -78,7 +81,7 @@ def test_a_straggler_is_swapped_for_a_spare_losing_no_step(nodes, lm_factory, re
 @pytest.mark.slow  # the decision is unit-tested (test_integrity_checks.py); the swap above runs the path
 def test_a_straggler_with_nothing_better_is_reported_only(nodes, lm_factory, ref2):
     nodes(2)
-    config = ElasticConfig(num_slices=2, policy="pause", straggler_steps=AFTER)
+    config = ElasticConfig(num_slices=2, policy="pause", straggler_steps=AFTER, straggler_min_s=MIN_S)
     trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("slow", 1, SLOW_AT, ms=SLOW_MS),),
                              keep_final_state=True)
     report = trainer.fit()
@@ -91,7 +94,7 @@ def test_a_straggler_with_nothing_better_is_reported_only(nodes, lm_factory, ref
 @pytest.mark.slow
 def test_under_resize_a_straggler_slower_than_training_without_it_is_taken_out(nodes, lm_factory, ref2):
     nodes(3)
-    config = ElasticConfig(num_slices=2, policy="resize", straggler_steps=AFTER)
+    config = ElasticConfig(num_slices=2, policy="resize", straggler_steps=AFTER, straggler_min_s=MIN_S)
     trainer = ElasticTrainer(lm_factory, config, STEPS, faults=(Fault("slow", 1, SLOW_AT, ms=SLOW_MS),),
                              keep_final_state=True)
     report = trainer.fit()

@@ -29,7 +29,7 @@ class Checks:
     def __init__(self, config: ElasticConfig, event):
         self._event = event  # a `diverged` or `straggler` event per finding
         self._config = config
-        self.stragglers = Stragglers(config.straggler_factor, config.straggler_steps)
+        self.stragglers = Stragglers(config.straggler_factor, config.straggler_steps, config.straggler_min_s)
         self.state = StateChecks(config.state_check_every)
         self.grads = GradChecks(config.grad_check_every)
         self._issued: Optional[tuple[CrossCheck, dict]] = None  # the cross-check in flight, its refs per slice
