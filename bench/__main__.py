@@ -100,7 +100,8 @@ def main(argv=None) -> int:
                              "contract: alternated today/new-contract pairs (quick 2, full 5)")
     parser.add_argument("--variants", type=_csv, default=None,
                         help="ready: comma-separated subset of variants (default all); integrity: of parts "
-                             "(small,large,cross,catch,straggler); diloco: 'overlap' (V 0 against V 5 behind a slow link)")
+                             "(small,large,cross,catch,straggler); diloco: 'overlap' (V 0 against V 5 behind a slow link); "
+                             "detect: of faults (remove_node,freeze_node,stop,slow,remove_node_pause)")
     parser.add_argument("--systems", type=_csv, default=None, help="compare: comma-separated subset of systems")
     parser.add_argument("--scenarios", type=_csv, default=None, help="compare: comma-separated subset of scenarios")
     parser.add_argument("--slices-per-leader", type=int, default=32,
@@ -355,7 +356,7 @@ def main(argv=None) -> int:
     if args.suite == "detect":
         from bench import detect
 
-        result = detect.run(runs=args.runs or (1 if args.quick else 3))
+        result = detect.run(runs=args.runs or (1 if args.quick else 3), faults=args.variants)
         text = detect.table(result)
         print(text)
         write_result(args.out, "detect", result, text)

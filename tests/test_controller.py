@@ -46,6 +46,7 @@ class FakeBackend:
         self.new_groups: list[int] = []  # slices restarted on a new placement group
         self.evicted: list[str] = []  # nodes a new group must keep off
         self.unplaced: set = set()  # slices whose group Ray could not place
+        self.lost_nodes: set = set()  # nodes whose raylet refuses connections
 
     def placed(self, s):
         return s not in self.unplaced
@@ -129,7 +130,7 @@ class FakeBackend:
         return [{"pid": 100 + s, "node_id": f"node{s}", "ip": "127.0.0.1"}]
 
     def node_alive(self, node_id):
-        return int(node_id[4:]) in self.held
+        return node_id not in self.lost_nodes and int(node_id[4:]) in self.held
 
     def retire(self, s):
         self.held.pop(s, None)
@@ -386,6 +387,25 @@ def test_a_silent_node_s_slice_is_replaced_on_a_new_placement_group():
     assert report.steps_completed == 12
     assert backend.new_groups == [1]
     assert backend.evicted == ["node1"]  # the silent node: Ray counts it alive, no group may wait on it
+    replaces = [e for e in report.events if e["event"] == "replace"]
+    assert [(e["slice"], e.get("new_group", False)) for e in replaces] == [(1, True), (0, False)]
+
+
+def test_a_lost_node_s_slice_is_replaced_on_a_new_group_kept_off_that_node():
+    """A slice whose node is gone (its raylet refuses connections) gets a
+    new group kept off that node: left in the old group, the node's bundle
+    is one Ray reschedules after its health checks, retrying without pause
+    while no node can take it. A node_died whose host's own node still
+    answers (the inputs it waited for were lost elsewhere) reuses the group."""
+    config = ElasticConfig(num_slices=2, policy="pause")
+    trainer, backend = run(config, steps=12)
+    backend.fail_at[(3, 1)] = FailureKind.NODE_DIED
+    backend.lost_nodes.add("node1")
+    backend.fail_at[(7, 0)] = FailureKind.NODE_DIED
+    report = trainer.fit()
+    assert report.steps_completed == 12
+    assert backend.new_groups == [1]
+    assert backend.evicted == ["node1"]
     replaces = [e for e in report.events if e["event"] == "replace"]
     assert [(e["slice"], e.get("new_group", False)) for e in replaces] == [(1, True), (0, False)]
 

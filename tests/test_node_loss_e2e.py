@@ -24,10 +24,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.cluster
 
 
-@pytest.mark.parametrize("health_checks", ["default"])
-def test_node_removal_on_ray_defaults_is_node_died(health_checks):
+@pytest.mark.parametrize("policy", ["resize", "pause"])
+def test_node_removal_on_ray_defaults_is_node_died(policy):
+    """On Ray's default health checks a removed node is found lost (its
+    raylet refuses connections) and the failure is `node_died`, under
+    either policy. Under pause a node joins once the failure is detected
+    (as an autoscaler would): the replacement gets a new group kept off the
+    lost node, so the run recovers while Ray's node table still lists that
+    node alive. (Left in the old group, the lost node's bundle waited for
+    Ray to declare the node dead, ~15 s after the removal here, and while
+    no node could take it Ray's GCS retried it without pause.)"""
     out = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "tests", "drivers", "node_loss_driver.py"), "--health-checks", health_checks],
+        [sys.executable, os.path.join(ROOT, "tests", "drivers", "node_loss_driver.py"), "--health-checks", "default",
+         "--policy", policy],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -35,6 +44,10 @@ def test_node_removal_on_ray_defaults_is_node_died(health_checks):
     (f,) = report["failures"]
     assert (f["kind"], f["slice"], f["step"]) == ("node_died", 1, 10), f
     assert report["steps_completed"] == report["steps_requested"]
+    (replace,) = [e for e in report["events"] if e["event"] == "replace"]
+    assert replace.get("new_group") is True, replace
+    if policy == "pause":
+        assert report["driver_saw"]["removed_alive_at_recovery"] is True, report["driver_saw"]
 
 
 def test_frozen_node_is_located_and_its_stale_workers_never_rejoin(cluster, nodes, lm_factory):

@@ -205,6 +205,13 @@ class LocalCluster:
         if not ray.is_initialized():
             ray.init(address=self.address, log_to_driver=False, runtime_env=runtime_env)
 
+    def gcs_pid(self) -> Optional[int]:
+        """The pid of the head's GCS server (the benchmarks read its CPU)."""
+        from ray._private import ray_constants
+
+        infos = self.cluster.head_node.all_processes.get(ray_constants.PROCESS_TYPE_GCS_SERVER, [])
+        return infos[0].process.pid if infos else None
+
     def shutdown(self) -> None:
         """Idempotent: stop the connection, then every node. A node still
         frozen is killed, not woken: woken, its stale processes would talk

@@ -432,10 +432,10 @@ class Controller:
             self.members.live.discard(f.slice_id)
             self.members.backend.retire(f.slice_id)
             raise d.error from f
-        # A silent (frozen) node keeps its bundle of the slice's placement
-        # group until Ray declares it dead: the replacement gets a new group.
-        new_group = f.node_silent
-        self.members.lose(f.slice_id, new_group=new_group, evict=evict, host=f.host)
+        # A silent (frozen) node keeps its bundle of the slice's placement group until Ray
+        # declares it dead, a lost one has it rescheduled: the replacement gets a new group.
+        new_group = self.members.lose(f.slice_id, new_group=f.node_silent, evict=evict, host=f.host,
+                                      node_died=f.kind is FailureKind.NODE_DIED)
         if not self.members.live:  # the loss snapshots guard against: every slice at once
             self._snapshotting.all_lost(now)
         self._event("replace", slice=f.slice_id, **({"new_group": True} if new_group else {}))

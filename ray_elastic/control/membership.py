@@ -78,19 +78,34 @@ class Membership:
                 extra["predecessors"] = dict(up.predecessors)
             self._emit("slice_ready", slice=up.slice_id, setup_s=up.setup_s, **extra)
 
-    def lose(self, slice_id: int, new_group: bool = False, evict: tuple = (), host: Optional[int] = None) -> None:
+    def lose(self, slice_id: int, new_group: bool = False, evict: tuple = (), host: Optional[int] = None,
+             node_died: bool = False) -> bool:
         """A live slice failed: tear it down and queue its replacement.
         With `new_group` (host `host`'s node is silent: frozen or cut
         off), that node is evicted too: Ray still counts it alive, and a
-        group placed on it would wait for Ray to declare it dead."""
-        if new_group and host is not None and not evict:
+        group placed on it would wait for Ray to declare it dead. With
+        `node_died`, a node that is gone (its raylet refuses connections)
+        is evicted the same way: left in the old group, its bundle is one
+        Ray reschedules once its health checks declare the node dead, and
+        until a node can take it Ray's GCS retries that without pause, a
+        core's worth of its time (seen for as long as a lost slice waited),
+        and the replacement waits for those health checks (~30 s on Ray's
+        defaults). A node id is never used again, so evicting a gone node
+        costs the run nothing. Returns whether the replacement gets a new
+        group."""
+        if (new_group or node_died) and host is not None and not evict:
             try:
-                evict = (self.backend.hosts(slice_id)[host]["node_id"],)
+                node = self.backend.hosts(slice_id)[host]["node_id"]
             except (KeyError, IndexError, TypeError):  # hosts unknown: a new group, placed anywhere
-                pass
+                node = None
+            # A `node_died` whose host's node still answers (inputs lost on
+            # another node) keeps its group: that node is not the one gone.
+            if node is not None and (new_group or not self.backend.node_alive(node)):
+                evict = (node,)
         self.live.discard(slice_id)
         self.backend.retire(slice_id)
         self.start(slice_id, new_group, evict)
+        return bool(new_group or evict)
 
     def go_live(self, slices: set[int]) -> None:
         self.ready -= slices

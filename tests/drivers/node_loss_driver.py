@@ -5,8 +5,8 @@ the run report as JSON on its last line, plus what the driver saw.
 --fault freeze_node under --policy pause: the node is frozen (raylet and
 workers SIGSTOPped), a replacement node joins once the failure is detected
 (as an autoscaler would), and the JSON says whether Ray still counted the
-frozen node alive when the run recovered (the replacement did not wait for
-Ray's health checks)."""
+frozen (or removed) node alive when the run recovered (the replacement did
+not wait for Ray's health checks)."""
 
 import argparse
 import functools
@@ -39,12 +39,18 @@ def main():
         seen["frozen"] = node_id
         cluster.freeze_node(node_id)
 
+    def remove(node_id):
+        seen["removed"] = node_id
+        cluster.remove_node(node_id)
+
     def on_event(e):
         if e["event"] == "detected" and a.policy == "pause":
             cluster.add_node()  # (Ray's Node must start from the main thread)
-        if e["event"] == "recovered" and "frozen" in seen:
+        if e["event"] == "recovered":
             alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-            seen["frozen_alive_at_recovery"] = bool(alive.get(seen["frozen"]))
+            for what in ("frozen", "removed"):
+                if what in seen:
+                    seen[f"{what}_alive_at_recovery"] = bool(alive.get(seen[what]))
 
     try:
         cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
@@ -53,7 +59,7 @@ def main():
         trainer = ElasticTrainer(
             functools.partial(lm.make_program, lm.LMConfig()), config, a.steps,
             faults=(Fault(a.fault, 1, a.fail_at),),
-            remove_node=cluster.remove_node, freeze_node=freeze, on_event=on_event,
+            remove_node=remove, freeze_node=freeze, on_event=on_event,
         )
         report = trainer.fit()
     finally:
