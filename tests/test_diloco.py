@@ -133,3 +133,51 @@ def test_sync_faults_are_for_diloco_runs_only():
     with pytest.raises(ConfigError) as e:
         ElasticTrainer(lambda: None, ElasticConfig(), 4, faults=[Fault("kill", 1, 2, phase="sync")])
     assert e.value.setting == "faults"
+
+
+class _Remote:
+    """An actor method's stand-in: records each call's arguments."""
+
+    def __init__(self, calls: list):
+        self.calls = calls
+
+    def options(self, **_):
+        return self
+
+    def remote(self, *args):
+        self.calls.append(args)
+        return object()
+
+
+class _Worker:
+    def __init__(self):
+        self.calls: list = []
+        self.inner_step = _Remote(self.calls)
+
+
+class _Gather:
+    def gather(self, calls, k, wait, live):
+        return {(c.slice_id, c.host): {"loss": 1.0} for c in calls}
+
+
+def test_an_inner_step_waits_for_the_round_start_state_asked_before_it():
+    """Ray runs a threaded actor's calls in no set order: the state of a
+    round's start, asked of a host before its next inner step, is that
+    step's dependency, or it could be taken a step late. Only that host's
+    next step waits for it, and not a replacement worker's."""
+    from types import SimpleNamespace
+
+    from ray_elastic.dispatch.diloco_runner import DilocoRunner
+
+    a, b, c = _Worker(), _Worker(), _Worker()
+    live = {0: SimpleNamespace(workers=[a, b])}
+    runner = DilocoRunner(_Gather(), spec=None, blocks=1, clock=lambda: 0.0)
+    state = object()
+    runner.hold_before_next(0, [a], [state])
+    runner.inner(4, live, {0: (0,)}, {0: 0}, 10.0, lambda: None)
+    assert a.calls[-1][3:] == (state,) and b.calls[-1][3:] == ()
+    runner.inner(5, live, {0: (0,)}, {0: 0}, 10.0, lambda: None)
+    assert a.calls[-1][3:] == ()
+    runner.hold_before_next(0, [a], [state])
+    runner.inner(8, {0: SimpleNamespace(workers=[c, b])}, {0: (0,)}, {0: 0}, 10.0, lambda: None)
+    assert c.calls[-1][3:] == ()

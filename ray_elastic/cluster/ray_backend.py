@@ -299,7 +299,9 @@ class RayBackend:
         `only`: of these slices alone (the next slice still among all)."""
         def own(s):
             sl = self._up[s]
-            refs = [w.flat_state.options(concurrency_group="compute").remote() for w in sl.workers[:len(sl.workers) if sl.per_host else 1]]
+            workers = sl.workers[:len(sl.workers) if sl.per_host else 1]
+            refs = [w.flat_state.options(concurrency_group="compute").remote() for w in workers]
+            self.diloco.hold_before_next(s, workers, refs)  # taken before the next inner step, not after
             return tuple(refs) if sl.per_host else refs[0]
 
         order = sorted(slices)

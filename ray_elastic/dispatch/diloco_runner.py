@@ -50,6 +50,13 @@ class DilocoRunner:
         self._clock = clock
         self.bytes_synced = 0  # delta bytes every synchronization moved, summed (exchange counters have them per host)
         self.pending: Optional[Pending] = None  # a synchronization overlapped with inner steps (`start`)
+        # (slice, host) -> (worker, refs its next inner step waits for). Ray
+        # runs a threaded actor's calls in no set order (docs: "Actor Task
+        # Execution Order"), so a round-start state asked of a host
+        # (`hold_before_next`) could otherwise be taken after the next inner
+        # step, a step later: seen as a spare that loaded it holding the
+        # round's second step when asked to recompute its first.
+        self._before_next: dict[tuple[int, int], tuple[Any, tuple]] = {}
 
     def inner(self, k: int, live: Mapping, assignment: Mapping[int, tuple], replicas: Mapping[int, int],
               deadline_s: float, on_issued: Callable[..., None]) -> StepResult:
@@ -63,7 +70,7 @@ class DilocoRunner:
         calls = []
         for s in sorted(live):
             for h, w in enumerate(live[s].workers):
-                def call(w=w, s=s, after=tuple(first.get((s, h), ()))):
+                def call(w=w, s=s, after=tuple(first.get((s, h), ())) + self._after(s, h, w)):
                     return w.inner_step.options(concurrency_group="compute").remote(k, tuple(assignment[s]), self.spec,
                                                                                     *after)
                 calls.append(Call(s, h, call(), call))
@@ -75,6 +82,16 @@ class DilocoRunner:
             ray.wait(rest, num_returns=len(rest), timeout=max(0.0, wait.at - self._clock()))
             raise
         return StepResult(replica_mean(out, replicas), {})
+
+    def hold_before_next(self, slice_id: int, workers: Sequence, refs: Sequence) -> None:
+        """The next inner step of host h of `slice_id` waits for `refs[h]`
+        (a call on its own worker, so the ref is fetched from its node)."""
+        for h, (w, ref) in enumerate(zip(workers, refs)):
+            self._before_next[(slice_id, h)] = (w, (ref,))
+
+    def _after(self, slice_id: int, host: int, worker: Any) -> tuple:
+        held = self._before_next.pop((slice_id, host), None)
+        return held[1] if held is not None and held[0] is worker else ()  # a replaced worker's are void
 
     def synchronize(self, boundary: int, since: int, live: Mapping, replicas: Mapping[int, int],
                     deadline_s: float, on_issued: Callable[..., None] = lambda phase="sync": None,
