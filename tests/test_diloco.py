@@ -181,3 +181,49 @@ def test_an_inner_step_waits_for_the_round_start_state_asked_before_it():
     runner.hold_before_next(0, [a], [state])
     runner.inner(8, {0: SimpleNamespace(workers=[c, b])}, {0: (0,)}, {0: 0}, 10.0, lambda: None)
     assert c.calls[-1][3:] == ()
+
+
+class _JoinBackend:
+    """A backend whose joiner's node goes while it recomputes its round."""
+
+    def __init__(self):
+        self.started: list = []
+
+    def undo_sync(self, live, to, deadline_s):
+        return []
+
+    def node_alive(self, node):
+        return node != "gone"
+
+    def load(self, slices, ref, timeout_s):
+        pass
+
+    def catch_up(self, s, donor, steps, shards, deadline_s):
+        from ray_elastic.errors import NodeDied
+
+        raise NodeDied(s, 0, 6, "the node's raylet stopped taking connections")
+
+    def hosts(self, s):
+        return [{"node_id": "gone"}]
+
+    def retire(self, s):
+        pass
+
+    def start(self, s, new_group=False, evict=()):
+        self.started.append((s, new_group, evict))
+
+
+def test_a_joiner_whose_node_went_is_replaced_away_from_it():
+    """A spare lost with its node while it recomputes the round is
+    replaced on a new group kept off that node, as a live slice is."""
+    from ray_elastic.checkpoint.snapshots import SnapshotStore
+    from ray_elastic.control.membership import Membership
+
+    rounds = Rounds(ElasticConfig(num_slices=2, spare_slices=1, enable_diloco=True, diloco_sync_period=4), steps=12)
+    backend = _JoinBackend()
+    members = Membership(backend, SnapshotStore(), lambda *a, **k: None)
+    members.live, members.ready = {0}, {2}
+    rounds.round_start = 4
+    rounds.keep_round_states({0: [("r0", ("a",))], 1: [("r1", ("b",))]})
+    assert rounds.join([2], 6, members, 10.0) is False
+    assert backend.started == [(2, True, ("gone",))] and members.coming == {2} and 2 not in members.live

@@ -36,7 +36,7 @@ from ray_elastic.config import ElasticConfig
 from ray_elastic.control.diloco_saves import DilocoCheckpoints
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.dispatch.outer_spec import OuterSpec
-from ray_elastic.errors import RunFailed, SliceFailure
+from ray_elastic.errors import FailureKind, RunFailed, SliceFailure
 
 __all__ = ["Rounds"]
 
@@ -311,7 +311,8 @@ class Rounds:
         except SliceFailure as f:
             joined = [s for s in taken if s in members.live and s != f.slice_id]
             if f.slice_id in taken:
-                members.lose(f.slice_id)
+                # As the controller does for a live slice: a joiner whose node is gone or silent is replaced away from it.
+                members.lose(f.slice_id, new_group=f.node_silent, host=f.host, node_died=f.kind is FailureKind.NODE_DIED)
                 if pending is not None:  # the others hold an earlier step than the run's
                     self._unjoin(joined, members)
                 return False
