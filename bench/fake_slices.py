@@ -375,5 +375,8 @@ class FakeSlices:
     def reap_abandoned(self) -> None:
         pass
 
+    def group_nodes(self, slice_id: int) -> tuple:
+        return ()  # no placement groups
+
     def shutdown(self) -> None:
         pass

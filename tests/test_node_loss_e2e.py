@@ -33,10 +33,14 @@ def test_node_removal_on_ray_defaults_is_node_died(policy):
     lost node, so the run recovers while Ray's node table still lists that
     node alive. (Left in the old group, the lost node's bundle waited for
     Ray to declare the node dead, ~15 s after the removal here, and while
-    no node could take it Ray's GCS retried it without pause.)"""
+    no node could take it Ray's GCS retried it without pause.) Under pause
+    the replacement's own node is then removed while its worker starts
+    (two nodes joined): it starts again at once on a new group, while
+    Ray's node table still lists that node alive too (it used to wait ~21
+    s, until Ray's health checks failed the worker)."""
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "drivers", "node_loss_driver.py"), "--health-checks", "default",
-         "--policy", policy],
+         "--policy", policy, *(["--lose-replacement"] if policy == "pause" else [])],
         capture_output=True, text=True, timeout=400, cwd=ROOT,
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
@@ -47,7 +51,11 @@ def test_node_removal_on_ray_defaults_is_node_died(policy):
     (replace,) = [e for e in report["events"] if e["event"] == "replace"]
     assert replace.get("new_group") is True, replace
     if policy == "pause":
-        assert report["driver_saw"]["removed_alive_at_recovery"] is True, report["driver_saw"]
+        saw = report["driver_saw"]
+        assert saw["removed_alive_at_recovery"] is True, saw
+        assert "replacement_removed" in saw, saw
+        assert saw["replacement_removed_alive_at_recovery"] is True, saw
+        assert "did not start: a node of its placement group is gone" in out.stderr, out.stderr[-3000:]
 
 
 def test_frozen_node_is_located_and_its_stale_workers_never_rejoin(cluster, nodes, lm_factory):

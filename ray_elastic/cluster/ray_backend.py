@@ -75,6 +75,7 @@ class RayBackend:
             self.ranges, depth = leader_ranges(num_shards, num_slices, slices_per_leader, self.runner.fan_in)
             self.runner = GroupedRunner(self.locator, clock, self.ranges, depth)
         self._coming: dict[int, Provisioning] = {}
+        self._lost_checked_at = float("-inf")  # when the starting slices' nodes were last checked
         self._up: dict[int, LiveSlice] = {}  # set up: ready to join, or live
         # DiLoCo's inner steps and synchronizations (dispatch/diloco_runner.py), on the same runner.
         self.diloco = None if diloco is None else DilocoRunner(self.runner, diloco, max(num_slices, 1), clock)
@@ -89,6 +90,7 @@ class RayBackend:
 
     def poll(self, block_s: float = 0.0) -> list[SliceUp]:
         self._slices.reap_abandoned()
+        self._restart_on_lost_nodes()
         if block_s and self._coming:
             refs = [r for p in self._coming.values() for r in p.setup_refs]
             ray.wait(refs, num_returns=len(refs), timeout=block_s)
@@ -106,13 +108,14 @@ class RayBackend:
                         "imported and unpickled on the worker nodes.",
                         setting="program_factory",
                     ) from e
-                self._restart(s, e)
+                self._restart(s, short(e))
                 continue
             except (rex.ObjectLostError, rex.OutOfMemoryError, rex.WorkerCrashedError, rex.NodeDiedError) as e:
                 # The replacement itself died while starting (its node went
-                # away, Ray's memory monitor killed it): queue it again on the
-                # same placement group (within the policy's timeout_s).
-                self._restart(s, e)
+                # away, Ray's memory monitor killed it): queue it again
+                # (within the policy's timeout_s), on the same placement
+                # group unless one of its nodes is gone.
+                self._restart(s, short(e))
                 continue
             if live is not None:
                 self.locator.probe.watch(i["node_id"] for i in live.infos)
@@ -125,9 +128,31 @@ class RayBackend:
     def placed(self, slice_id: int) -> bool:
         return self._slices.placement_group_state(slice_id) == "CREATED"
 
-    def _restart(self, s: int, e: BaseException) -> None:
-        log.warning("replacement for slice %d failed to start: %s", s, short(e))
-        self.start(s)
+    def _restart(self, s: int, cause: str) -> None:
+        """Start slice `s` again; where a node of its group is gone, on a
+        new group kept off that node (left in the old one, the slice would
+        wait for Ray's health checks to declare the node dead)."""
+        gone = tuple(n for n in self._slices.group_nodes(s) if self.locator.node_lost(n))
+        log.warning("slice %d did not start: %s%s", s, cause,
+                    f"; a new placement group away from the lost node(s) {', '.join(gone)}" if gone else "")
+        self.start(s, evict=gone)
+
+    def _restart_on_lost_nodes(self, every_s: float = 1.0) -> None:
+        """A slice still starting whose group holds a bundle on a node that
+        is gone starts again at once, away from that node. Ray fails the
+        workers on it only once its health checks declare the node dead:
+        on Ray's defaults a replacement whose node was removed while it
+        started waited ~21 s for that error here."""
+        now = self._clock()
+        if not self._coming or now - self._lost_checked_at < every_s:
+            return
+        self._lost_checked_at = now
+        for s in list(self._coming):
+            # The raylet's port alone, once a second: Ray's node table is
+            # one GCS call per node asked, and a run's first start may ask
+            # of hundreds. A gone node's raylet refuses connections.
+            if not all(self.locator.probe.raylet_reachable(n) for n in self._slices.group_nodes(s)):
+                self._restart(s, "a node of its placement group is gone")
 
     def retire(self, slice_id: int) -> None:
         self.runner.drop_ahead()

@@ -135,6 +135,10 @@ class SliceProvisioner(Protocol):
     def reap_abandoned(self) -> None:
         """Remove abandoned groups whose nodes Ray has declared dead."""
 
+    def group_nodes(self, slice_id: int) -> tuple:
+        """The nodes the slice's placement group holds bundles on (none
+        where it has no group, or none placed yet)."""
+
     def placement_group_state(self, slice_id: int) -> str: ...
 
     def shutdown(self, keep: Sequence[LiveSlice] = ()) -> None:
@@ -394,6 +398,17 @@ class RaySlices:
             else:
                 _remove(pg, handle)
         self._abandoned = keep
+
+    def group_nodes(self, slice_id: int) -> tuple:
+        pg = self._pgs.get(slice_id)
+        if pg is None:
+            return ()
+        try:
+            placed = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
+        except Exception:  # the GCS busy or the group gone: nothing known
+            return ()
+        # A bundle not placed has the nil node id (all 0xff) or none.
+        return tuple(sorted({n for n in placed.values() if n and set(n) != {"f"}}))
 
     def placement_group_state(self, slice_id: int) -> str:
         pg = self._pgs.get(slice_id)

@@ -6,7 +6,11 @@ the run report as JSON on its last line, plus what the driver saw.
 workers SIGSTOPped), a replacement node joins once the failure is detected
 (as an autoscaler would), and the JSON says whether Ray still counted the
 frozen (or removed) node alive when the run recovered (the replacement did
-not wait for Ray's health checks)."""
+not wait for Ray's health checks).
+
+--lose-replacement (pause): the replacement's node is removed too, while
+its worker starts (a second node has joined for it), and the JSON says
+whether Ray still counted that node alive when the run recovered."""
 
 import argparse
 import functools
@@ -25,7 +29,10 @@ def main():
     p.add_argument("--fail-at", type=int, default=10)
     p.add_argument("--fault", choices=("remove_node", "freeze_node"), default="remove_node")
     p.add_argument("--policy", choices=("resize", "pause"), default="resize")
+    p.add_argument("--lose-replacement", action="store_true")
     a = p.parse_args()
+    import time
+
     import ray
 
     from examples import lm
@@ -45,10 +52,24 @@ def main():
 
     def on_event(e):
         if e["event"] == "detected" and a.policy == "pause":
-            cluster.add_node()  # (Ray's Node must start from the main thread)
+            for _ in range(2 if a.lose_replacement else 1):
+                cluster.add_node()  # (Ray's Node must start from the main thread)
+        if e["event"] == "replace" and a.lose_replacement and "replacement_removed" not in seen:
+            # Remove the node the replacement's new group is placed on, as
+            # soon as it is placed: its worker is still starting.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                placed = [n for g in ray.util.placement_group_table().values()
+                          if g["state"] == "CREATED" and g["name"].endswith(f"slice{e['slice']}-g1")
+                          for n in g["bundles_to_node_id"].values()]
+                if placed:
+                    seen["replacement_removed"] = placed[0]
+                    cluster.remove_node(placed[0])
+                    break
+                time.sleep(0.05)
         if e["event"] == "recovered":
             alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
-            for what in ("frozen", "removed"):
+            for what in ("frozen", "removed", "replacement_removed"):
                 if what in seen:
                     seen[f"{what}_alive_at_recovery"] = bool(alive.get(seen[what]))
 
