@@ -163,8 +163,12 @@ def test_a_removed_nodes_copies_are_unreadable_before_rays_node_table_says_so(cl
     backend = RayBackend(CpuSlice(), lm_factory, 0, 1, run_name=f"test-readable-{os.getpid()}")
     gone = cluster.add_node()
     assert backend.node_alive(gone)
+    assert not backend.locator.probe.raylet_refuses(gone)
     cluster.remove_node(gone)
     assert not backend.node_alive(gone)
+    # What a starting slice's nodes are checked by: the removed one only.
+    assert backend.locator.probe.raylet_refuses(gone)
     live = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != gone
                 and n["Resources"].get("CPU", 0) > 0)
     assert backend.node_alive(live)
+    assert not backend.locator.probe.raylet_refuses(live)

@@ -63,8 +63,11 @@ class Probe:
         return True  # as Ray's node table says for seconds after a removal
 
     def raylet_reachable(self, node_id):
-        self.asked.append(node_id)
         return node_id not in self.gone
+
+    def raylet_refuses(self, node_id):
+        self.asked.append(node_id)
+        return node_id in self.gone
 
 
 def _backend(gone=(), now=None):
@@ -119,3 +122,22 @@ def test_a_worker_that_died_starting_keeps_its_group_unless_its_node_is_gone():
     clock[0] = 0.1  # within the second: the error path asks on its own
     backend.poll()
     assert slices.starts == [0, 0, 0] and slices.abandoned == [(0, ("b",))]
+
+
+def test_only_a_refused_connection_is_a_gone_node():
+    """Real sockets: a port nobody listens on refuses; a listening one
+    does not; an address that cannot be reached in time is not a refusal
+    (a healthy node taken for lost would be kept out of the run)."""
+    import socket
+
+    from ray_elastic.failures.location import refuses
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()
+    assert refuses(closed, 0.5)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        assert not refuses(s.getsockname(), 0.5)
+    assert not refuses(("192.0.2.123", 9), 0.05)  # TEST-NET-1: no answer, or no route

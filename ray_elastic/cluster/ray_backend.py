@@ -148,10 +148,11 @@ class RayBackend:
             return
         self._lost_checked_at = now
         for s in list(self._coming):
-            # The raylet's port alone, once a second: Ray's node table is
-            # one GCS call per node asked, and a run's first start may ask
-            # of hundreds. A gone node's raylet refuses connections.
-            if not all(self.locator.probe.raylet_reachable(n) for n in self._slices.group_nodes(s)):
+            # The raylet's port alone: Ray's node table is one GCS call per
+            # node asked, and a run's first start may ask of hundreds. Only
+            # a refused connection counts, never a timeout: a healthy node
+            # taken for lost here would be kept out of the run for good.
+            if any(self.locator.probe.raylet_refuses(n) for n in self._slices.group_nodes(s)):
                 self._restart(s, "a node of its placement group is gone")
 
     def retire(self, slice_id: int) -> None:

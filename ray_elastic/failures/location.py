@@ -26,7 +26,7 @@ from ray_elastic.failures import process_state, ray_errors
 from ray_elastic.failures.heartbeats import Heartbeats
 from ray_elastic.failures.internal import InputsAborted, InputsLost
 
-__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "ping_ref", "runtime_error",
+__all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "ping_ref", "refuses", "runtime_error",
            "short"]
 
 TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
@@ -58,6 +58,11 @@ class Probe(Protocol):
         """Whether the node's raylet accepts a connection now (False at once
         when its process is gone, long before the health checks say so)."""
 
+    def raylet_refuses(self, node_id: str) -> bool:
+        """The node's raylet is gone for sure: its port refuses connections.
+        A timeout proves nothing (a slow network, a busy host), so it is
+        not taken for a loss here."""
+
     def raylet_answers(self, node_id: str) -> bool:
         """Whether the node's raylet completes a handshake: a frozen node
         (stopped, or its traffic dropped) still looks reachable to a bare
@@ -86,6 +91,18 @@ def is_node_alive(node_id: str) -> bool:
     return False
 
 
+def refuses(address: tuple[str, int], timeout_s: float) -> bool:
+    """Nothing listens at the address: the connection is refused. A
+    timeout or an unreachable network is not a refusal."""
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+        return False
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+
+
 class RayProbe:
     def __init__(self, connect_timeout_s: float = 0.5):
         self._connect_timeout_s = connect_timeout_s
@@ -110,6 +127,10 @@ class RayProbe:
             return True
         except OSError:  # refused (the raylet is gone) or no route / timeout
             return False
+
+    def raylet_refuses(self, node_id: str, timeout_s: float = 0.1) -> bool:
+        address = self._address(node_id)
+        return address is not None and refuses(address, timeout_s)
 
     def raylet_answers(self, node_id: str) -> bool:
         import grpc
