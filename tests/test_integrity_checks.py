@@ -79,6 +79,22 @@ def test_a_replicated_host_whose_devices_disagree_names_itself_even_with_two_sli
     assert (1, 0) in found.named and (0, 0) not in found.named
     assert "slice 1 host 0" in found.detail and "different bits" in found.detail
     assert found.verified == 4 and checks.verified == 4
+    # Its prints are what differ from slice 0's: named, with nothing left
+    # unsettled (no "no majority" beside it), on the host it named.
+    assert found.named == ((1, 0),) and found.detail == "slice 1 host 0: its devices hold different bits"
+
+
+def test_a_slice_that_named_itself_is_left_out_of_its_hosts_vote():
+    odd = [12, 12, 12, 12]
+    # Of the other three, two agree: the third is named too, by majority.
+    found = check(StateChecks(every=1), 3, {(0, 0): m(GOOD), (1, 0): m(GOOD), (2, 0): m(odd), (3, 0): m(BAD)})
+    assert found.named == ((2, 0), (3, 0)) and "slice 2 host 0 differs from 2 of 3 slices" in found.detail
+    # The two others differ: no majority among them.
+    found = check(StateChecks(every=1), 3, {(0, 0): m(GOOD), (1, 0): m(odd), (2, 0): m(BAD)})
+    assert found.named == ((2, 0),) and found.detail.endswith("host 0: no majority among slices [0, 1]")
+    # Every slice named itself: none is left to vote.
+    found = check(StateChecks(every=1), 3, {(0, 0): m(BAD), (1, 0): m([11, 11, 99, 11])})
+    assert found.named == ((0, 0), (1, 0))
 
 
 def test_a_replicated_host_whose_devices_disagree_is_named_with_three_slices():
