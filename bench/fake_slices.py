@@ -21,6 +21,12 @@ the controller's classification and recovery paths run unchanged.
     slices.instances[0].fake_s      # seconds the fakes spent in their own calls
     slices.instances[0].fake_cpu_s  # the same in process CPU time
 
+The controller still builds the program once in the driver and checks it
+(its preflight: layout, data, memory) before it provisions any slice, so
+it is given `fake_program(state_floats)`: a real `TrainProgram` of the
+fakes' state and gradient shape (`{"w": float32[state_floats]}`) that no
+fake ever runs.
+
 Timed steps (`configured(step_s=1.0)`): each compute_grads takes step_s
 of simulated compute, without ever blocking the driver. Every ref a fake
 hands out has a modelled ready time (wall clock): compute_grads is ready
@@ -59,7 +65,7 @@ from ray import exceptions as rex
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning
 from ray_elastic.checkpoint.state_forms import FlatState, WholeState
 
-__all__ = ["FakeSlices", "FakeWorker", "dead_ref"]
+__all__ = ["FakeSlices", "FakeWorker", "dead_ref", "fake_program"]
 
 _TOMBSTONE: dict = {}  # Ray session (GCS address) -> killed actor handle
 
@@ -109,6 +115,36 @@ class _Clock:
         """This process's CPU time so far (the simulated workers' side of
         every call)."""
         return time.process_time()
+
+
+def _zeros(size: int, rng: Any) -> dict:
+    import jax.numpy as jnp
+
+    return {"w": jnp.zeros((size,), jnp.float32)}
+
+
+def _loss(params: Any, batch: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.sum(params["w"] ** 2) + 0.0 * jnp.sum(batch["x"])
+
+
+def _batch(seed: int, step: int, shard: int, num_shards: int) -> dict:
+    return {"x": np.zeros((1, 1), np.float32)}
+
+
+def fake_program(state_floats: int = 16):
+    """The program the controller checks in the driver (its preflight)
+    for a run on fake slices: the fakes' state and gradient shape; the
+    fakes never run it."""
+    import functools
+
+    import optax
+
+    from ray_elastic.program import TrainProgram
+
+    return TrainProgram(init_params=functools.partial(_zeros, state_floats), loss_fn=_loss,
+                        optimizer=optax.sgd(0.1), make_batch=_batch)
 
 
 def dead_ref():

@@ -40,6 +40,7 @@ did before the tree (n apply calls of n refs each: O(n^2)).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import random
@@ -54,10 +55,6 @@ from bench.common import summary
 SIZES = (16, 64, 256, 1024)
 
 
-def _no_program():  # the fakes never build the program
-    raise RuntimeError("fake slices do not run a program")
-
-
 def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "resize",
             seed: int = 0, step_s: float = 0.0, pipeline: Optional[bool] = None, clocks: int = 2,
             slices_per_leader: int = 0) -> dict:
@@ -70,7 +67,7 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
     from ray_elastic import ElasticConfig
     from ray_elastic.control.controller import Controller, Seams
     from ray_elastic.callbacks import Callback
-    from bench.fake_slices import FakeSlices
+    from bench.fake_slices import FakeSlices, fake_program
 
     rng = random.Random(seed)
     warmup = 4
@@ -114,7 +111,10 @@ def measure(num_slices: int, steps: int = 40, failures: int = 3, policy: str = "
                            # (bench exchange measures the exchange's bytes).
                            exchange="direct")
     t0 = time.perf_counter()
-    trainer = Controller(_no_program, config, steps, callbacks=[Probe()], seams=Seams(provisioner=backend))
+    # The controller builds and checks the program in the driver before it
+    # provisions any slice; the fakes never run it.
+    program = functools.partial(fake_program, backend.state_floats)
+    trainer = Controller(program, config, steps, callbacks=[Probe()], seams=Seams(provisioner=backend))
     saved = os.environ.get("RAY_ELASTIC_PIPELINE")
     if pipeline is not None:
         os.environ["RAY_ELASTIC_PIPELINE"] = "1" if pipeline else "0"
@@ -265,7 +265,7 @@ def calibrate(num_slices: int, steps: int = 4, hosts: int = 4) -> dict:
     on the slices' hosts)."""
     import ray
 
-    from bench.fake_slices import FakeSlices
+    from bench.fake_slices import FakeSlices, fake_program
     from ray_elastic.failures.location import FailureLocator, RayProbe
     from ray_elastic.cluster.slice_group import LiveSlice
     from ray_elastic.dispatch.step_runner import StepRunner
@@ -297,7 +297,7 @@ def calibrate(num_slices: int, steps: int = 4, hosts: int = 4) -> dict:
         def bundles(self):
             return [{}]
 
-    fakes = FakeSlices.configured()(_Spec(), _no_program, 0, num_slices, "calibrate")
+    fakes = FakeSlices.configured()(_Spec(), fake_program, 0, num_slices, "calibrate")
     workers = [fakes.start(s).workers[0] for s in range(num_slices)]
     for w in workers:
         w.step = 0
