@@ -13,9 +13,13 @@ no faults, the example LM (`examples/lm.py`, `LMConfig()`, replicated).
    first 10 steps (`steady_step_time`). Target: the new contract within +2%
    of today's (median of the per-pair ratios).
 2. **Microbatches**: the same 64 rows per step on 2 slices, as 8 shards of
-   8 rows (`batch_shards=8`: each slice computes 4 shards and ships their
-   gradients) or as 2 shards of 32 rows scanned in 4 microbatches
-   (`batch_shards=2`, `microbatches=4`: each slice ships one gradient).
+   8 rows (`batch_shards=8`: each slice computes 4 shards) or as 2 shards
+   of 32 rows scanned in 4 microbatches (`batch_shards=2`,
+   `microbatches=4`: each slice computes one gradient). Under the default
+   exchange (reduce_scatter) a slice sums its own shards before anything
+   crosses, so at 2 slices a host takes in 2 gradients per apply (its
+   slice's sum and the other's) in both variants; the direct hand-off
+   (`exchange="direct"`) would take in every shard's gradient (8 and 2).
    Per variant: the gradient bytes each host takes in per apply (the
    workers' `exchange_stats`: (bytes from other slices + own bytes) /
    applies), each worker process's peak private (RssAnon) and shared
@@ -41,6 +45,7 @@ from typing import Any
 
 from bench.common import ensure_nodes, steady_step_time, summary
 from bench.memory import PeakSampler, status
+from ray_elastic.config import ElasticConfig
 from ray_elastic.program import LossOutput
 
 SLICES = 2
@@ -332,7 +337,8 @@ def summarize(contract_runs: dict, micro_runs: dict, grad_b: int, runs: int, ste
     return {
         "settings": {"slices": SLICES, "hosts_per_slice": 1, "policy": "resize", "runs": runs, "steps": steps,
                      "warmup_skipped": SKIP, "micro_rounds": rounds, "global_rows": GLOBAL_ROWS,
-                     "grad_bytes": grad_b, "order": "today, context alternated run by run"},
+                     "grad_bytes": grad_b, "exchange": ElasticConfig().exchange,
+                     "order": "today, context alternated run by run"},
         "contract": contract,
         "micro": micro,
         "micro_losses": micro_info,

@@ -203,8 +203,10 @@ def test_hoststart_tiny(cluster):
 def test_contract_tiny(cluster, tmp_path):
     """`python -m bench contract`: one today/new-contract pair and one
     round of each microbatch variant; every figure is there and positive,
-    the two contracts train the same thing, and a host takes in 8
-    gradients per apply with 8 shards and 2 with 2 shards of microbatches."""
+    the two contracts train the same thing, and under the default exchange
+    (reduce_scatter: each slice sums its own shards before anything
+    crosses) a host takes in one gradient per slice per apply, 2 in all,
+    with 8 shards as with 2 shards of microbatches."""
     from bench import contract
 
     result = contract.run(cluster, runs=1, steps=12, log=lambda *a: None)
@@ -231,7 +233,9 @@ def test_contract_tiny(cluster, tmp_path):
         assert all(e["applies"] > 0 for e in m["exchange"]), name
         assert all(x > 0 for x in m["final_loss"]), name
     eight, micro = (data["micro"][name] for name in contract.MICRO)
-    assert eight["gradients_per_apply"] == pytest.approx(8) and micro["gradients_per_apply"] == pytest.approx(2)
+    assert data["settings"]["exchange"] == "reduce_scatter"
+    assert eight["gradients_per_apply"] == pytest.approx(contract.SLICES)
+    assert micro["gradients_per_apply"] == pytest.approx(contract.SLICES)
     with open(files["md"]) as f:
         md = f.read()
     assert "| median |" in md and "new / today" in md and "peak private (RssAnon)" in md
