@@ -14,11 +14,14 @@ Then:
   groups belong to their job's driver): the state API shows none of the dead
   job's actors alive and none of its placement groups created, so no leaked
   reservation can block the next run (the same query, before the kill, does
-  find them: the check can fail);
+  find them: the check can fail). The one exception is by design: a node's
+  `NodeWatcher` (failures/process_state.py) is detached, made by the first
+  run on the node for every run after, and reserves nothing; it stays;
 - the job is resubmitted with the same entrypoint, as a RayJob's retry
   (`backoffLimit`) or Anyscale's `max_retries` does. The new driver reserves
-  both slices (its placement groups are CREATED), resumes from the newest
-  committed step (`resumed_from` in its report) and runs every step.
+  both slices (its placement groups are CREATED), takes the watchers the dead
+  driver left rather than making its own, resumes from the newest committed
+  step (`resumed_from` in its report) and runs every step.
 """
 
 from __future__ import annotations
@@ -87,13 +90,28 @@ def _listed(cluster: RayStartCluster, resource: str, **filters) -> list[dict]:
     return [asdict(r) if is_dataclass(r) else dict(r) for r in rows]
 
 
+def _is_node_watcher(actor: dict) -> bool:
+    return actor["class_name"] == "NodeWatcher"
+
+
 def _held_by(cluster: RayStartCluster, job_id: str) -> tuple[list[dict], list[dict]]:
     """What a job still holds: its actors that are not DEAD and its
     placement groups that are not REMOVED (alive, pending, restarting,
-    rescheduling: anything that keeps or wants resources)."""
-    actors = [a for a in _listed(cluster, "actors", job_id=job_id) if a["state"] != "DEAD"]
+    rescheduling: anything that keeps or wants resources), less its node
+    watchers, which outlive it on purpose (see `_assert_watchers_reserve_nothing`)."""
+    actors = [a for a in _listed(cluster, "actors", job_id=job_id)
+              if a["state"] != "DEAD" and not _is_node_watcher(a)]
     groups = [g for g in _listed(cluster, "placement_groups", creator_job_id=job_id) if g["state"] != "REMOVED"]
     return actors, groups
+
+
+def _assert_watchers_reserve_nothing(watchers: list[dict]) -> None:
+    """A node's NodeWatcher is made by the first run on the node for every
+    run after (named, detached: failures/process_state.py), so it outlives
+    its driver. It must hold no resources and no placement group: a retry
+    then finds its reservations unblocked."""
+    for w in watchers:
+        assert w["is_detached"] and not w["required_resources"] and not w["placement_group_id"], w
 
 
 def _ray_job(cluster: RayStartCluster, submission_id: str, timeout: float = 120):
@@ -156,7 +174,7 @@ def test_lost_driver_resubmitted_resumes_from_newest_checkpoint(ray_cluster, tmp
     actors, groups = _held_by(ray_cluster, job_id)
     assert len([g for g in groups if g["state"] == "CREATED"]) == 2, groups
     assert {a["class_name"] for a in actors if a["state"] == "ALIVE"} >= {"SliceWorker"}, actors
-    worker_pids = [a["pid"] for a in actors if a.get("pid")]
+    worker_pids = [a["pid"] for a in actors if a.get("pid")]  # the watchers' processes stay, by design
 
     os.kill(driver_pid, signal.SIGKILL)
     killed_at = time.monotonic()
@@ -174,13 +192,17 @@ def test_lost_driver_resubmitted_resumes_from_newest_checkpoint(ray_cluster, tmp
         assert time.monotonic() < deadline, f"60 s after the driver's SIGKILL job {job_id} still holds {held}"
         time.sleep(0.2)
     released_after = time.monotonic() - killed_at
+    watchers_left = [a for a in _listed(ray_cluster, "actors", job_id=job_id) if a["state"] != "DEAD"]
+    assert all(_is_node_watcher(a) for a in watchers_left), watchers_left
+    _assert_watchers_reserve_nothing(watchers_left)
     deadline = time.monotonic() + 30
     while left := [p for p in worker_pids if _alive(p)]:
         assert time.monotonic() < deadline, f"the dead driver's actor processes {left} still run"
         time.sleep(0.2)
     exited_after = time.monotonic() - killed_at
     print(f"job FAILED {failed_after:.1f} s after the kill; its actors dead and placement groups removed "
-          f"after {released_after:.1f} s; their processes gone after {exited_after:.1f} s")
+          f"after {released_after:.1f} s; their processes gone after {exited_after:.1f} s; "
+          f"{len(watchers_left)} node watchers stay, reserving nothing")
 
     # -- attempt 2: the retry resumes from the newest committed step --------
     resume_step = store.latest_committed()
@@ -201,6 +223,12 @@ def test_lost_driver_resubmitted_resumes_from_newest_checkpoint(ray_cluster, tmp
         assert time.monotonic() < deadline, f"the new job's slices not placed: {groups2}"
         time.sleep(0.2)
     assert _wait_for(ray_cluster, second, timeout=240) == "SUCCEEDED", _logs(ray_cluster, second)[-5000:]
+    # On a node where the dead driver left a watcher, the retry took it
+    # rather than making another: a watcher is made once per node, not per run.
+    watched = {a["node_id"] for a in watchers_left}
+    made_by_retry = [a for a in _listed(ray_cluster, "actors", job_id=info2.job_id)
+                     if _is_node_watcher(a) and a["node_id"] in watched]
+    assert not made_by_retry, (made_by_retry, watchers_left)
     print(f"resubmitted job {second} resumed from step {resume_step} and finished "
           f"{time.monotonic() - killed_at:.1f} s after the kill ({time.monotonic() - t0:.1f} s in all)")
 
