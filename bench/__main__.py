@@ -66,6 +66,12 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
   steps per second, bytes across slices per step, loss curves (a PNG);
   `--variants overlap`: Streaming DiLoCo with its exchange between two inner
   steps (V 0) against beside the next 5 (V 5), behind a 20 Mbit/s link
+- tpu: a slice's step on the accelerator JAX finds (a TPU), in one
+  process per variant, no Ray cluster: plain JAX (whole batch, shards as
+  microbatches) against one slice, with microbatches, DiLoCo inner steps,
+  two slices sharing the device, a snapshot in flight and an Orbax
+  checkpoint, alternated (`--size 341m|152m|tiny`, `--steps`, default
+  20; `--runs` rounds, default 1; `--variants`);
 - kept: a driver's next run on new workers against one on the slices its
   last run kept (keep_workers): slices ready, whole fit, bitwise equal
   (`--runs` rounds, default 5; `--steps`, default 12).
@@ -74,6 +80,7 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -89,8 +96,12 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
     parser.add_argument("suite", nargs="?", default="core", choices=("core", "compare", "scale", "detect", "soak", "ready", "hoststart", "sharded",
                                                                      "contract", "data", "snapshots", "integrity",
-                                                                     "falsealarms", "accel", "sizes", "exchange", "kept", "diloco"))
+                                                                     "falsealarms", "accel", "sizes", "exchange", "kept", "diloco",
+                                                                     "tpu"))
     parser.add_argument("--cpu", action="store_true", help="accel: CPU slices on a local cluster, a small model")
+    parser.add_argument("--size", default="341m", choices=("341m", "152m", "tiny"),
+                        help="tpu: the example LM's size (tiny: CPU, a minute)")
+    parser.add_argument("--merge", nargs="+", default=None, help="tpu: the JSON results of earlier invocations, as one table")
     parser.add_argument("--big", action="store_true", help="exchange: the 2 GB state on 2 slices only")
     parser.add_argument("--quick", action="store_true", help="fewer runs and steps (a few minutes)")
     parser.add_argument("--out", default="reports/bench", help="folder for the JSON, Markdown and PNG results")
@@ -138,6 +149,25 @@ def main(argv=None) -> int:
                         help="soak: skip the failure-free reference run (and the bitwise check)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
+    if args.suite == "tpu":
+        from bench import tpu
+        from bench.common import write_result
+
+        if args.merge:  # results of earlier invocations (JSON), as one table
+            results = []
+            for path in args.merge:
+                with open(path) as f:
+                    results.append(json.load(f))
+            result = tpu.merge(results)
+        else:
+            result = tpu.run(args.size, variants=tuple(args.variants or tpu.VARIANTS), steps=args.steps or 20,
+                             rounds=args.runs or 1)
+        text = tpu.table(result)
+        print(text)
+        os.makedirs(args.out, exist_ok=True)
+        write_result(args.out, f"tpu-{result['size']}", result, text)
+        return 0
+
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from bench.common import start_cluster, write_result
 

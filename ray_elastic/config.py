@@ -19,6 +19,7 @@ POLICIES = ("pause", "resize")
 BATCH_MODES = ("accumulate", "shrink")
 EXCHANGES = ("reduce_scatter", "direct")
 EXCHANGE_DTYPES = (None, "bfloat16")
+STEP_PROGRAMS = ("auto", "one", "update_apart")
 # "1" in the driver's environment: ElasticConfig.keep_workers defaults to True.
 KEEP_WORKERS_ENV = "RAY_ELASTIC_KEEP_WORKERS"
 
@@ -292,6 +293,16 @@ class ElasticConfig:
         own dtype (float32 for float32 params). "bfloat16" halves the bytes;
         the owners still sum in float32. The loss moves by bfloat16's
         rounding of each slice's gradient (docs/benchmarks.md measures it).
+    one_slice_program: how a slice that computes every shard of its step
+        (a one-slice run; a DiLoCo replica's inner step) runs it on its
+        devices (worker/device_step.py): "one", one program (the gradients,
+        their sum, the update), as a plain JAX step, at plain JAX's device
+        memory; "update_apart", the update a program of its own, as every
+        other path runs it, holding the mean gradient between the two (one
+        gradient's memory more), so that the state is bitwise the one any
+        number of slices makes; "auto" (the default): "one" on an
+        accelerator for a one-slice run and DiLoCo, "update_apart" on CPU
+        and for the survivor of a larger run (docs/performance.md).
     enable_diloco, diloco_sync_period, diloco_outer_lr,
         diloco_outer_momentum: DiLoCo, by MaxText's names and defaults
         (False, 36, 0.3, 0.9): each slice a replica training alone on its
@@ -337,6 +348,7 @@ class ElasticConfig:
     slices_per_leader: int = 0
     exchange: str = "reduce_scatter"
     exchange_dtype: Optional[str] = None
+    one_slice_program: str = "auto"
     enable_diloco: bool = False
     diloco_sync_period: int = 36
     diloco_outer_lr: float = 0.3
@@ -422,6 +434,8 @@ class ElasticConfig:
                                   "(each group computes its own range of shards); set 0 to use 'shrink'")
         if self.exchange not in EXCHANGES:
             raise ConfigError("exchange", f"unknown exchange {self.exchange!r}; use one of {EXCHANGES}")
+        if self.one_slice_program not in STEP_PROGRAMS:
+            raise ConfigError("one_slice_program", f"must be one of {STEP_PROGRAMS}, got {self.one_slice_program!r}")
         if self.exchange_dtype not in EXCHANGE_DTYPES:
             raise ConfigError("exchange_dtype", f"must be one of {EXCHANGE_DTYPES}, got {self.exchange_dtype!r}")
         if self.exchange_dtype is not None and (self.exchange != "reduce_scatter" or self.slices_per_leader):

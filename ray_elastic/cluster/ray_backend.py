@@ -50,6 +50,7 @@ class RayBackend:
         warm_workers: int = 0, slices_per_leader: int = 0, num_slices: int = 0, heartbeat_timeout_s: float = 0.0,
         state_check_every: int = 0, grad_check_every: int = 0, final_step: int = 0,
         exchange: tuple = ("reduce_scatter", None, 0), keep_workers: bool = False, diloco: Optional[OuterSpec] = None,
+        step_program: str = "auto",
     ):
         cls = provisioner or RaySlices
         # Only Ray's own slices are kept: a drop-in provisioner (the scale
@@ -67,7 +68,8 @@ class RayBackend:
         self._clock = clock
         self.runner = StepRunner(self.locator, clock)
         if exchange[0] == "reduce_scatter":  # (kind, wire dtype, blocks: dispatch/exchange_plan.py)
-            self.runner.exchange = ExchangeSpec(blocks=exchange[2] or max(num_slices, 1), wire_dtype=exchange[1])
+            self.runner.exchange = ExchangeSpec(blocks=exchange[2] or max(num_slices, 1), wire_dtype=exchange[1],
+                                                step_program=step_program)
         # With group leaders: the shard ranges the slices' groups compute
         # (assign_shards), and the runner that calls the leaders.
         self.ranges: Optional[list] = None

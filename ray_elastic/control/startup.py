@@ -32,7 +32,7 @@ def ray_backend(factory: Callable, config: ElasticConfig, steps: int, run_name: 
         num_slices=c.num_slices, heartbeat_timeout_s=c.heartbeat_timeout_s, state_check_every=c.state_check_every,
         grad_check_every=c.grad_check_every, final_step=steps,
         exchange=(c.exchange, c.exchange_dtype, (facts or c.run_facts())["exchange_blocks"]),
-        keep_workers=c.keep_workers,
+        keep_workers=c.keep_workers, step_program=c.one_slice_program,
         diloco=OuterSpec.of(c) if c.enable_diloco else None), needs
 
 

@@ -48,13 +48,14 @@ class ExchangeSpec:
 
     blocks: int
     wire_dtype: Optional[str] = None
+    step_program: str = "auto"  # ElasticConfig.one_slice_program
 
     def plan(self, assignment: Mapping, chunks: int, fan_in: int) -> ExchangePlan:
         """The plan of a step with this `assignment` (slice -> shards), cut
         into `chunks` (at most MAX_CHUNKS; one for two slices or fewer)."""
         shards = tuple(sorted(sh for shards in assignment.values() for sh in shards))
         return ExchangePlan(chunks=1 if chunks <= 2 else min(chunks, MAX_CHUNKS), blocks=self.blocks, shards=shards, fan_in=fan_in,
-                            wire_dtype=self.wire_dtype)
+                            wire_dtype=self.wire_dtype, step_program=self.step_program)
 
     def args(self, assignment: Mapping, fan_in: int, payload_sets: tuple, live: int = 0) -> dict:
         """The exchange over these gradient calls' returns (slice -> {host:

@@ -33,13 +33,15 @@ __all__ = ["ExchangePlan"]
 class ExchangePlan:
     """One step's exchange: `chunks` (one per owner: the slices taking
     part when the step was issued), `blocks`, `shards` (every shard of the
-    step, in order), `fan_in`, `wire_dtype` (None: the gradient's own)."""
+    step, in order), `fan_in`, `wire_dtype` (None: the gradient's own),
+    `step_program` (ElasticConfig.one_slice_program)."""
 
     chunks: int
     blocks: int
     shards: tuple
     fan_in: int
     wire_dtype: Optional[str] = None
+    step_program: str = "auto"  # how a slice computing every shard runs the step (ElasticConfig.one_slice_program)
 
     def __post_init__(self):
         if self.chunks < 1 or self.blocks < 1 or self.fan_in < 2:

@@ -21,7 +21,8 @@ class OuterSpec:
     the whole params at every synchronization), `every` (steps between two
     fragments' synchronizations), `overlap`
     (num_communication_overlapping_steps) and `alpha`
-    (communication_overlapping_alpha)."""
+    (communication_overlapping_alpha); `step_program`: how an inner step
+    runs on the devices (one_slice_program)."""
 
     lr: float
     momentum: float
@@ -29,15 +30,16 @@ class OuterSpec:
     every: int = 1
     overlap: int = 0
     alpha: float = 0.0
+    step_program: str = "auto"
 
     @classmethod
     def of(cls, config: Any) -> "OuterSpec":
         """The spec of an ElasticConfig's DiLoCo flags."""
         if not config.enable_streaming_diloco:
-            return cls(config.diloco_outer_lr, config.diloco_outer_momentum)
+            return cls(config.diloco_outer_lr, config.diloco_outer_momentum, step_program=config.one_slice_program)
         return cls(config.diloco_outer_lr, config.diloco_outer_momentum, config.num_diloco_fragments,
                    config.diloco_fragment_every, config.num_communication_overlapping_steps,
-                   float(config.communication_overlapping_alpha))
+                   float(config.communication_overlapping_alpha), config.one_slice_program)
 
     @property
     def streaming(self) -> bool:

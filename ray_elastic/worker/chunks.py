@@ -31,7 +31,8 @@ import numpy as np
 
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 
-__all__ = ["aligned_empty", "assemble", "chunk_bytes", "cut", "fold", "in_plan_order", "pieces", "sum_chunk", "wire"]
+__all__ = ["aligned_empty", "assemble", "chunk_bytes", "cut", "fold", "in_plan_order", "pieces", "sum_chunk", "sum_meta",
+           "wire"]
 
 # Per-shard scalars a gradient call reports, carried to the apply with chunk 0.
 SCALARS = ("loss", "weight", "aux", "eval")
@@ -174,19 +175,29 @@ def sum_chunk(plan: ExchangePlan, c: int, parts: Sequence[Optional[dict]], tree_
         summed = [a.astype(wire_type) for a in summed]
     out = {"chunk": c, "sum": summed, "count": len(plan.shards)}
     if c == 0:
-        meta = {f: {} for f in SCALARS}
-        states: dict = {}
-        for p in got:
-            for f in SCALARS:
-                meta[f].update(p["meta"].get(f, {}))
-            states.update(p["meta"].get("model_state") or {})
-        out.update(meta)
-        out["model_state"] = None
-        if states:
-            combine = np.maximum if model_state_op == "max" else np.add
-            add = lambda vs: _fold_trees(vs, tree_map, combine)  # noqa: E731
-            out["model_state"] = in_plan_order(plan, {("shard", s): v for s, v in states.items()}, add)
+        out.update(sum_meta(plan, got, tree_map, model_state_op))
     return out
+
+
+def sum_meta(plan: ExchangePlan, parts: Sequence[Optional[dict]], tree_map: Callable,
+             model_state_op: str = "sum") -> dict:
+    """The step's per-shard scalars and its model states' sum (in the
+    plan's order; "max" combines by maximum) from the sources' chunks 0
+    (`parts`; None: a gate)."""
+    meta: dict = {f: {} for f in SCALARS}
+    states: dict = {}
+    for p in parts:
+        if not p:
+            continue
+        for f in SCALARS:
+            meta[f].update(p["meta"].get(f, {}))
+        states.update(p["meta"].get("model_state") or {})
+    meta["model_state"] = None
+    if states:
+        combine = np.maximum if model_state_op == "max" else np.add
+        add = lambda vs: _fold_trees(vs, tree_map, combine)  # noqa: E731
+        meta["model_state"] = in_plan_order(plan, {("shard", s): v for s, v in states.items()}, add)
+    return meta
 
 
 def _fold_trees(values: Sequence, tree_map: Callable, combine: Callable) -> Any:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 
-__all__ = ["StepValues", "divided", "eval_values", "reduce_pieces", "step_values"]
+__all__ = ["StepValues", "divided", "eval_values", "float32_values", "reduce_pieces", "step_values"]
 
 # Per-shard scalars of a phase-1 payload, carried through the tree as they are.
 PER_SHARD = ("loss", "weight", "aux", "eval")
@@ -97,12 +97,48 @@ def divided(acc: np.ndarray, n: float) -> np.ndarray:
 class StepValues:
     """A step's scalars over the global batch: `loss` (sum of the shards'
     totals over the sum of their weights), `weight` (that sum), `aux`
-    (each metric by its reduction), `shards` (how many)."""
+    (each metric by its reduction), `shards` (how many); `divisor`: what
+    the gradient's sum is divided by, and `metrics`: the loss and aux the
+    update is given (its `post_update`'s), both in float32 as the devices
+    make them (`float32_values`)."""
 
     loss: float
     weight: float
     aux: dict
     shards: int
+    divisor: np.float32 = np.float32(1.0)
+    metrics: Optional[dict] = None
+
+
+def float32_values(totals: list, weights: list, aux: dict, reductions: Mapping[str, str], add: Callable,
+                   maximum: Callable, f32: Callable) -> tuple:
+    """(divisor, metrics) of a step from its shards' totals, weights and
+    aux metrics in key order ({name: [value per shard]}), each addition a
+    float32 one in that order: `add`, `maximum` and `f32` are numpy's on
+    the host and jax.numpy's inside the one-slice step's program
+    (device_step.py), which so divide by the same bits."""
+    def fold(values):
+        acc = values[0]
+        for v in values[1:]:
+            acc = add(acc, v)
+        return acc
+
+    divisor = fold(weights)
+    metrics = {"loss": fold(totals) / divisor}
+    for name, reduction in reductions.items():
+        values = aux[name]
+        if reduction == "sum":
+            metrics[name] = fold(values)
+        elif reduction == "mean":
+            metrics[name] = fold(values) / f32(len(values))
+        elif reduction == "max":
+            acc = values[0]
+            for v in values[1:]:
+                acc = maximum(acc, v)
+            metrics[name] = acc
+        else:  # weighted_mean
+            metrics[name] = fold([w * v for w, v in zip(weights, values)]) / divisor
+    return divisor, metrics
 
 
 def eval_values(total: dict, reductions: Mapping[str, str]) -> Optional[StepValues]:
@@ -135,4 +171,9 @@ def step_values(total: dict, reductions: Mapping[str, str]) -> StepValues:
             out[name] = max(values)
         else:  # weighted_mean
             out[name] = sum(w[s] * v for s, v in zip(order, values)) / weight
-    return StepValues(loss=loss, weight=weight, aux=out, shards=len(order))
+    f32 = np.float32
+    divisor, metrics = float32_values([f32(losses[s]) for s in order], [f32(w[s]) for s in order],
+                                      {name: [f32(aux[s][name]) for s in order] for name in reductions}, reductions,
+                                      np.add, np.maximum, f32)
+    return StepValues(loss=loss, weight=weight, aux=out, shards=len(order), divisor=f32(divisor),
+                      metrics={k: f32(v) for k, v in metrics.items()})

@@ -213,8 +213,11 @@ class CompiledStep:
     blocks); unravel: that buffer back to the trees, with jax, only under
     RAY_ELASTIC_EAGER_SETUP (else numpy does it: see transfer.py).
     rows: the rows of a shard's batch this host's devices hold;
-    global_shapes: the shard's batch shapes, per key; evaluate, eval_rows,
-    eval_shapes: the same for the program's eval (None without one)."""
+    global_shapes: the shard's batch shapes, per key (batch_specs: with
+    their dtypes); evaluate, eval_rows, eval_shapes: the same for the
+    program's eval (None without one); compile: the compile function
+    (device_step.py compiles the one-slice step through it, when first
+    needed)."""
 
     grad: Any
     update: Any
@@ -225,6 +228,8 @@ class CompiledStep:
     evaluate: Optional[Any] = None  # (params, opt_state, eval batch, step, shard) -> (total, weight, aux)
     eval_rows: Any = None
     eval_shapes: Optional[dict] = None
+    batch_specs: Optional[dict] = None  # the shard's batch: {key: (global shape, dtype)}
+    compile: Callable = _compile  # what compiled these: the one-slice step compiles through it too
 
 
 def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
@@ -285,6 +290,7 @@ def compile_step(layout: StateLayout, seed: int, num_shards: int, marks: list,
     marks.append(("compile", time.time()))
     return CompiledStep(grad=grad, update=update, flatten=flatten, unravel=unravel, rows=fed,
                         global_shapes={k: v.shape for k, v in global_shape.items()}, evaluate=evaluate,
+                        batch_specs={k: (v.shape, v.dtype) for k, v in global_shape.items()}, compile=compile_fn,
                         eval_rows=eval_fed, eval_shapes=None if evaluate is None else
                         {k: v.shape for k, v in eval_shape.items()})
 

@@ -25,14 +25,16 @@ from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.worker.batches import BatchReader
 from ray_elastic.dispatch.outer_spec import OuterSpec, fragment_leaves
 from ray_elastic.worker.diloco import OuterState
-from ray_elastic.worker.chunks import SCALARS, assemble, cut, pieces, sum_chunk, wire
+from ray_elastic.worker.device_step import compile_fused, plan_positions
+from ray_elastic.worker.device_sums import TOTAL, DeviceSums
 from ray_elastic.worker.exchange_stats import ExchangeStats
+from ray_elastic.worker.host_exchange import HostExchange, first_copy
 from ray_elastic.worker.fingerprint import flip_bit, flip_payload_bit, host_fingerprint
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.errors import NonFiniteLoss
 from ray_elastic.worker.reduction import divided, eval_values, reduce_pieces, step_values
 from ray_elastic.worker.setup import CompiledStep, StateLayout
-from ray_elastic.worker.shards import block_key, from_local_blocks, local_blocks
+from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
 from ray_elastic.worker.state_prints import StatePrints
 from ray_elastic.worker.transfer import device_array
@@ -42,7 +44,13 @@ __all__ = ["SliceSteps"]
 
 def _host_value(a):
     """A replicated array's value on this host (its first local copy)."""
-    return np.asarray(a.addressable_data(0))
+    return np.asarray(first_copy(a))
+
+
+def _tree_map(fn, tree):
+    import jax
+
+    return jax.tree.map(fn, tree)
 
 
 class SliceSteps:
@@ -78,7 +86,11 @@ class SliceSteps:
         # A `corrupt` fault (SliceWorker.corrupt): "state" or "grads", and
         # whether every step from then on, not only the next.
         self.corrupt: Optional[tuple[str, bool]] = None
-        self._template = None  # the gradient's treedef and leaves (shape, dtype), as a host sends it
+        # The exchange's host side (host_exchange.py), and the step's sums
+        # kept on the devices (device_sums.py).
+        self._exchange_side = HostExchange(layout, exchange, self._state_op)
+        self._sums = DeviceSums(layout.params_spec())
+        self._fused: dict = {}  # the one-slice step's programs, by (plan positions, fan-in)
         self._fragments: Optional[tuple] = None  # Streaming DiLoCo: (fragment count, each one's leaf indices)
         self.outer = OuterState(layout, host)  # DiLoCo's global params and outer optimizer state (diloco.py)
 
@@ -94,13 +106,18 @@ class SliceSteps:
         reduce or apply it; (None, None) from the hosts but 0 of a
         replicated slice. With an exchange `plan`: (status, chunk 0, ...,
         chunk n-1), the chunks this host sends to their owners
-        (worker/chunks.py), or Nones from a host that sends nothing."""
-        import jax
-
+        (worker/chunks.py), or Nones from a host that sends nothing; the
+        shards are summed on the devices first (device_sums.py), and where
+        this call computes every shard of the step its gradient stays
+        there for the apply."""
         held, layout = self._held, self._layout
         if step != held.step:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked for {step}")
         held.ensure()
+        if plan is not None and not self._host_payloads_due(step):
+            return self._grads_on_device(step, shards, plan)
+        import jax
+
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -117,48 +134,103 @@ class SliceSteps:
                 continue
             # Under a sharded layout every host sends its own blocks, to the
             # same host of the other slices; a replicated slice's host 0 all.
-            out["grads"][shard] = (local_blocks(jax.tree.leaves(g)) if layout.sharded
-                                   else jax.tree.map(_host_value, g))
+            out["grads"][shard] = self._exchange_side.host_payload(g)
             if shard == shards[0] and self._corrupting("grads"):
                 out["grads"][shard] = flip_payload_bit(out["grads"][shard])
             if self._grad_check_due(step):
                 self._grad_prints = (step, {**(self._grad_prints[1] if self._grad_prints[0] == step else {}),
                                             shard: host_fingerprint(out["grads"][shard])})
-            out["loss"][shard] = float(_host_value(total))
-            out["weight"][shard] = w = float(_host_value(weight))
-            out["aux"][shard] = {k: float(_host_value(v)) for k, v in aux.items()}
-            if state is not None:  # replicated: every sending host carries it whole
-                state = jax.tree.map(_host_value, state)
-                out["model_state"][shard] = (jax.tree.map(lambda a: a * np.asarray(w, a.dtype), state)
-                                             if self._state_reduction == "weighted_mean" else state)
+            self._scalars_into(out, shard, jax.device_get(jax.tree.map(first_copy, (total, weight, aux, state))))
         t1 = time.perf_counter()
-        self._grads_time = (step, t1 - t0, len(shards))
-        self._exchange.spans.add("compute", t0, t1)
-        self._window_from = (step, t1)  # the exchange's window opens: this host's gradients are ready
+        self._grads_done(step, t0, t1, len(shards))
         if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
             out["eval"] = self._evaluate(step, shards, speaks)
         if plan is not None:
-            return self._chunks(plan, out, speaks)
+            return self._exchange_side.send(plan, out, speaks, self._slice_id)
         if not speaks:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": out["loss"]}, {**out, "from_slice": self._slice_id}
 
-    def _chunks(self, plan: ExchangePlan, out: dict, speaks: bool) -> tuple:
-        """(status, chunk payloads) of `out`'s gradients, summed block by
-        block and cut for their owners (chunks.py)."""
+    def _host_payloads_due(self, step: int) -> bool:
+        """Whether this step's gradients must reach the host shard by
+        shard: a cross-check fingerprints each shard's as sent, or a
+        `corrupt` fault flips a bit in one."""
+        return self._grad_check_due(step) or (self.corrupt is not None and self.corrupt[0] == "grads")
+
+    def _scalars_into(self, out: dict, shard: int, values: tuple) -> None:
+        """A shard's (total, weight, aux, model state), on the host, into
+        the payload `out`: the scalars as floats, the model state
+        multiplied by the weight where it is a weighted mean."""
+        total, weight, aux, state = values
+        out["loss"][shard] = float(total)
+        out["weight"][shard] = w = float(weight)
+        out["aux"][shard] = {k: float(v) for k, v in aux.items()}
+        if state is not None:  # replicated: every sending host carries it whole
+            out["model_state"][shard] = (_tree_map(lambda a: a * np.asarray(w, a.dtype), state)
+                                         if self._state_reduction == "weighted_mean" else state)
+
+    def _grads_done(self, step: int, t0: float, t1: float, shards: int) -> None:
+        self._grads_time = (step, t1 - t0, shards)
+        self._exchange.spans.add("compute", t0, t1)
+        self._window_from = (step, t1)  # the exchange's window opens: this host's gradients are ready
+
+    def _grads_on_device(self, step: int, shards: tuple[int, ...], plan: ExchangePlan) -> tuple:
+        """`grads` under an exchange plan: each shard's gradient folded into
+        its block's sum on the devices (device_sums.py), the step's scalars
+        fetched once. Where this call computes every shard of the step
+        (one slice) the sums stay on the devices and the payload is only
+        the scalars; else each sum is rounded to the wire's dtype there,
+        copied out once and cut for the owners (kept on the devices too
+        where this host's apply takes them back: one owner)."""
         import jax
 
-        if not speaks:
-            return (None,) + (None,) * plan.chunks
+        held, layout = self._held, self._layout
         t0 = time.perf_counter()
-        dtype = None if plan.wire_dtype is None else np.dtype(getattr(jax.numpy, plan.wire_dtype))
-        held = pieces(plan, {s: jax.tree.leaves(g) for s, g in out["grads"].items()})
-        cuts = {key: cut(wire(leaves, dtype), plan.chunks) for key, leaves in held.items()}
-        chunks = [{"chunk": c, "from_slice": self._slice_id, "plan": plan,
-                   "pieces": {key: segs[c] for key, segs in cuts.items()}} for c in range(plan.chunks)]
-        chunks[0]["meta"] = {f: out[f] for f in (*SCALARS, "model_state") if f in out}
-        self._exchange.sent(chunks, time.perf_counter() - t0)
-        return ({"loss": out["loss"]}, *chunks)
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        speaks = layout.sharded or self._host == 0
+        mine = sorted(shards)
+        if mine == sorted(plan.shards) and plan.chunks == 1:
+            # One slice: the whole step runs as one program in the apply
+            # (device_step.py). This call only runs the eval, on the state
+            # the step starts from, as the others do.
+            out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}, "fused": tuple(mine)}
+            if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
+                out["eval"] = self._evaluate(step, shards, speaks)
+            self._grads_done(step, t0, time.perf_counter(), len(mine))
+            return self._exchange_side.send(plan, out, speaks, self._slice_id, summed={})
+        sums = self._sums
+        sums.start(step)
+        made: dict = {}  # this call's sums (a re-issued call makes them anew, never adds to the first's)
+        at_step = device_array(np.int32(step), layout.replicated)
+        whole = {b for b in {plan.block_of(s) for s in mine} if set(plan.members(b)) <= set(mine)}
+        keys, values = [], []
+        for shard in mine:
+            total, weight, aux, state, g = self._compiled.grad(
+                held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)), at_step,
+                device_array(np.int32(shard), layout.replicated))
+            if shard == mine[-1]:  # the next step's rows, read while this one's gradients compute
+                self._batches.read_ahead(step + 1, shards)
+            b = plan.block_of(shard)
+            key = ("block", b) if b in whole else ("shard", shard)
+            made[key] = sums.add(made.get(key), g)
+            values.append((total, weight, aux, state))
+        # The scalars (and model states) of every shard in one transfer:
+        # the only wait for the devices in this call.
+        fetched = jax.device_get([jax.tree.map(first_copy, v) for v in values])
+        out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}}
+        for shard, v in zip(mine, fetched):
+            self._scalars_into(out, shard, v)
+        t1 = time.perf_counter()
+        self._grads_done(step, t0, t1, len(mine))
+        if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
+            out["eval"] = self._evaluate(step, shards, speaks)
+        if plan.chunks == 1:  # this host's apply sums the chunks: its own are taken from the devices
+            sums.hold(step, made)
+        wire = self._exchange_side.wire_dtype(plan)
+        copies = {key: self._exchange_side.host_payload(sums.cast(g, wire)) for key, g in made.items()} \
+            if speaks else {}
+        return self._exchange_side.send(plan, out, speaks, self._slice_id, summed=copies)
 
     def recompute(self, step: int, shard: int) -> Optional[int]:
         """A cross-check: the fingerprint of the gradient of `shard` at the
@@ -215,49 +287,7 @@ class SliceSteps:
 
     def reduce_chunk(self, plan: ExchangePlan, c: int, parts: tuple) -> tuple[dict, dict]:
         """(status {"count"}, sum) of chunk c over the sources' chunks in `parts`: this host owns it."""
-        import jax
-
-        t0 = time.perf_counter()
-        summed = {**sum_chunk(plan, c, parts, jax.tree.map, self._state_op), "from_slice": self._slice_id}
-        taken = self._exchange.reduced(parts, time.perf_counter() - t0)
-        return {"count": summed["count"], "bytes_in": taken}, summed
-
-    def _gathered(self, sums: tuple, template: Optional[tuple] = None) -> dict:
-        """The step's summed gradient from the owners' chunk sums, as
-        reduce_pieces would give it (its tree, model state, scalars); of
-        `template`'s form (`_grad_template`'s) where given."""
-        import jax
-
-        if self._template is None:
-            self._template = self._grad_template()
-        specs, treedef = template or self._template  # jax.tree.flatten's (leaves, treedef)
-        if "pieces" in sums[0]:  # the sources' own chunks: one live slice, no owner summed them
-            by_chunk: dict = {}
-            for p in sums:
-                by_chunk.setdefault(p["chunk"], []).append(p)
-            sums = tuple(sum_chunk(sums[0]["plan"], c, tuple(ps), jax.tree.map, self._state_op)
-                         for c, ps in sorted(by_chunk.items()))
-        first = min(sums, key=lambda p: p["chunk"])
-        state = first["model_state"]  # copied: read-only from the object store, and divided in place below
-        return {"sum": jax.tree.unflatten(treedef, assemble(sums, specs)),
-                "model_state": None if state is None else jax.tree.map(lambda a: np.array(a, copy=True), state),
-                **{f: first.get(f, {}) for f in SCALARS}}
-
-    def _grad_template(self) -> tuple:
-        """(treedef, leaves as jax.ShapeDtypeStruct) of the gradient a host
-        sends: the params' tree (replicated), or the dict of this host's
-        blocks (sharded, keyed as shards.local_blocks keys them)."""
-        import jax
-
-        layout = self._layout
-        if not layout.sharded:
-            return jax.tree.flatten(layout.params_spec())
-        blocks = {}
-        for i, spec in enumerate(layout.param_specs):
-            for index in spec.sharding.addressable_devices_indices_map(spec.shape).values():
-                key = block_key(index, spec.shape)
-                blocks[(None, i, key)] = jax.ShapeDtypeStruct(tuple(b - a for a, b in key), spec.dtype)
-        return jax.tree.flatten(blocks)
+        return self._exchange_side.reduce_chunk(plan, c, parts, self._slice_id)
 
     def reduce(self, keys: tuple[int, ...], parts: tuple) -> tuple[dict, dict]:
         """(status {"count"}, partial sum) of the pieces of `parts` named by `keys`."""
@@ -286,29 +316,11 @@ class SliceSteps:
         if got is not None:
             checked[step], spent = got[0], got[1:]
         self._prints.wait()  # the update below donates the arrays it reads
-        t0 = time.perf_counter()
-        sums = [p for p in parts if p and "chunk" in p]
-        total = self._gathered(tuple(sums)) if sums else reduce_pieces(jax.tree.map, None, parts, self._state_op)
-        t1 = time.perf_counter()
-        self._exchange.gathered(parts, t1 - t0)
-        if self._window_from[0] == step:
-            self._exchange.spans.add("exchange", self._window_from[1], t1)
-        values = step_values(total, program.aux)
-        if not math.isfinite(values.loss) and program.post_update is None:
-            raise NonFiniteLoss(step, values.loss)
-        mean = jax.tree.map(lambda a: divided(a, values.weight), total["sum"])
-        if layout.sharded:
-            mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
+        sums = tuple(p for p in parts if p and "chunk" in p)
+        if sums and "fused" in sums[0]:
+            total, values = self._advance_fused(step, sums[0])
         else:
-            mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
-        state = total["model_state"]
-        if state is not None:
-            by = {"mean": values.shards, "weighted_mean": values.weight}.get(self._state_reduction)
-            state = jax.tree.map(lambda a: device_array(a if by is None else divided(a, by), layout.replicated),
-                                 state)
-        scalars = {k: device_array(np.float32(v), layout.replicated)
-                   for k, v in {"loss": values.loss, **values.aux}.items()}
-        held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, scalars))
+            total, values = self._advance(step, parts, sums)
         if self._corrupting("state"):
             held.params = flip_bit(held.params)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux}
@@ -345,6 +357,136 @@ class SliceSteps:
         held.last_apply = metrics
         return metrics
 
+    def _advance(self, step: int, parts: tuple, sums: tuple) -> tuple:
+        """Sum the step's gradients in `parts` (`sums`: those of the
+        exchange), divide, update the held state: (total, StepValues),
+        total's scalars as `reduce_pieces` gives them."""
+        import jax
+
+        held, layout, program = self._held, self._layout, self._layout.program
+        t0 = time.perf_counter()
+        if sums and "pieces" in sums[0]:  # the sources' own chunks: summed here, on the devices
+            total = self._exchange_side.meta(sums[0]["plan"], sums)
+        elif sums:  # the owners' sums, laid back into whole leaves on the host
+            total = self._exchange_side.gathered(sums)
+        else:  # the direct hand-off: payloads or tree nodes, summed here on the host
+            total = reduce_pieces(jax.tree.map, None, parts, self._state_op)
+        values = step_values(total, program.aux)
+        if not math.isfinite(values.loss) and program.post_update is None:
+            raise NonFiniteLoss(step, values.loss)
+        if sums and "pieces" in sums[0]:
+            mean = self._mean_on_device(step, sums, values.divisor)
+        elif sums:
+            mean = self._sums.combine(None, step, (), {TOTAL: self._exchange_side.on_device(total["sum"])},
+                                      values.divisor)
+        else:
+            mean = jax.tree.map(lambda a: divided(a, values.divisor), total["sum"])
+            if layout.sharded:
+                mean = jax.tree.unflatten(layout.param_def, from_local_blocks(mean, layout.param_specs))
+            else:
+                mean = jax.tree.map(lambda a: device_array(a, layout.replicated), mean)
+        t1 = time.perf_counter()
+        self._exchange.gathered(parts, t1 - t0)
+        if self._window_from[0] == step:
+            self._exchange.spans.add("exchange", self._window_from[1], t1)
+        state = total["model_state"]
+        if state is not None:
+            by = {"mean": np.float32(values.shards), "weighted_mean": values.divisor}.get(self._state_reduction)
+            state = jax.tree.map(lambda a: device_array(a if by is None else divided(a, by), layout.replicated),
+                                 state)
+        scalars = {k: device_array(v, layout.replicated) for k, v in values.metrics.items()}
+        held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, scalars))
+        return total, values
+
+    def _advance_fused(self, step: int, chunk: dict) -> tuple:
+        """One slice: the whole step (every shard's gradient, their sum,
+        the division and the update) as one program on the devices
+        (device_step.py), which the gradient call left to this apply
+        (`chunk`: its marker, and the eval it ran); (total, StepValues)."""
+        import jax
+
+        plan, shards = chunk["plan"], chunk["fused"]
+        t0 = time.perf_counter()
+        one = self._one_program(plan.blocks, plan.step_program)
+        # A survivor of a larger run rounds its blocks' sums as the exchange
+        # would send them; a one-slice run sends nothing.
+        wire = plan.wire_dtype if plan.blocks > 1 else None
+        total, values = self._run_fused(step, shards, plan_positions(plan), plan.fan_in, one, wire)
+        total["eval"] = chunk.get("meta", {}).get("eval") or {}
+        t1 = time.perf_counter()
+        waited = self._grads_time[1] if self._grads_time[0] == step else 0.0  # a `slow` fault's delay
+        self._grads_time = (step, waited + t1 - t0, len(shards))
+        self._exchange.spans.add("compute", t0, t1)
+        return total, values
+
+    def _one_program(self, blocks: int, mode: str) -> bool:
+        """Whether a slice computing every shard of a step runs it as one
+        program, update included (ElasticConfig.one_slice_program): on an
+        accelerator, where a gradient's memory counts, for a run of one
+        slice (`blocks`: its plan's) or a DiLoCo replica; with the update
+        apart where the state must be bitwise any slice count's."""
+        if mode != "auto":
+            return mode == "one"
+        return blocks == 1 and self._layout.mesh.devices.flat[0].platform != "cpu"
+
+    def _run_fused(self, step: int, shards: tuple, blocks: tuple, fan_in: int, one: bool,
+                   wire: Optional[str] = None) -> tuple:
+        """Step `step` over `shards` (in key order) on the devices, summed
+        by `blocks` (device_step.plan_positions) and `fan_in` (rounded to
+        the `wire` dtype, if given), in one program (`one`) or with the
+        update apart; the held state advanced.
+        (total: the shards' scalars, StepValues). Raises NonFiniteLoss
+        with the state unchanged."""
+        import jax
+
+        held, layout, program = self._held, self._layout, self._layout.program
+        key = (blocks, fan_in, one, wire)
+        fused = self._fused.get(key)
+        if fused is None:
+            fused = self._fused[key] = compile_fused(layout, self._compiled, self._seed, self._num_shards, *key,
+                                                     self._compiled.compile)
+        batches = tuple(self._global_batch(self._batches.train(step, s)) for s in shards)
+        self._batches.read_ahead(step + 1, shards)  # the next step's rows, read while this one computes
+        out = fused(held.params, held.opt_state, batches, device_array(np.int32(step), layout.replicated),
+                    tuple(device_array(np.int32(s), layout.replicated) for s in shards))
+        scalars = out[2:] if one else out[2:5]
+        # The step's one wait: its scalars, fetched together.
+        fetched = jax.device_get(jax.tree.map(first_copy, scalars))
+        totals, weights, auxes = fetched[:3]
+        total = {"loss": {s: float(t) for s, t in zip(shards, totals)},
+                 "weight": {s: float(w) for s, w in zip(shards, weights)},
+                 "aux": {s: {k: float(v) for k, v in a.items()} for s, a in zip(shards, auxes)}}
+        values = step_values(total, program.aux)
+        if one:
+            params, slot = out[:2]
+            if not fetched[3]:  # the old state, kept by the program: the step is not taken
+                held.params, held.opt_state = params, slot
+                raise NonFiniteLoss(step, values.loss)
+            held.advance(params, slot)
+            return total, values
+        if not math.isfinite(values.loss) and program.post_update is None:
+            raise NonFiniteLoss(step, values.loss)
+        mean, state = out[:2]
+        metrics = {k: device_array(v, layout.replicated) for k, v in values.metrics.items()}
+        held.advance(*self._compiled.update(held.params, held.opt_state, mean, state, metrics))
+        return total, values
+
+    def _mean_on_device(self, step: int, sources: tuple, weight: float) -> Any:
+        """The step's mean gradient from the sources' own chunks (one chunk
+        each), made on the devices: this slice's pieces where this host
+        holds them (never copied out and back), the others' copied in."""
+        plan = sources[0]["plan"]
+        held = self._sums.held(step)
+        own, copied = [], {}
+        for p in sources:
+            mine = p["from_slice"] == self._slice_id
+            for key, segs in p["pieces"].items():
+                if mine and key in held:
+                    own.append(key)
+                else:
+                    copied[key] = self._exchange_side.piece_on_device(segs)
+        return self._sums.combine(plan, step, tuple(dict.fromkeys(own)), copied, weight)
+
     # -- DiLoCo (control/diloco.py): inner steps alone, outer steps together --
 
     def local_step(self, step: int, shards: tuple[int, ...], spec: OuterSpec) -> dict:
@@ -353,9 +495,7 @@ class SliceSteps:
         state; nothing crosses slices. Returns the step's metrics (those of
         the last inner step when `step` is already taken). The caller holds
         the state's lock."""
-        import jax
-
-        held, layout, program = self._held, self._layout, self._layout.program
+        held = self._held
         done = self._taken_or_ready(step, "for inner step")
         if done is not None:
             return done
@@ -368,26 +508,9 @@ class SliceSteps:
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
-        at_step = device_array(np.int32(step), layout.replicated)
-        acc, totals, weights, auxes = None, [], [], []
-        for shard in shards:
-            total, weight, aux, _, g = self._compiled.grad(
-                held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)), at_step,
-                device_array(np.int32(shard), layout.replicated))
-            if shard == shards[-1]:
-                self._batches.read_ahead(step + 1, shards)
-            acc = g if acc is None else jax.tree.map(jax.numpy.add, acc, g)
-            totals.append(total), weights.append(weight), auxes.append(aux)
-        values = step_values({"loss": {s: float(_host_value(t)) for s, t in zip(shards, totals)},
-                              "weight": {s: float(_host_value(w)) for s, w in zip(shards, weights)},
-                              "aux": {s: {k: float(_host_value(v)) for k, v in a.items()} for s, a in zip(shards, auxes)}},
-                             program.aux)
-        if not math.isfinite(values.loss) and program.post_update is None:
-            raise NonFiniteLoss(step, values.loss)
-        weight = device_array(np.float32(values.weight), layout.replicated)
-        mean = jax.tree.map(lambda a: a / weight, acc)
-        scalars = {k: device_array(np.float32(v), layout.replicated) for k, v in {"loss": values.loss, **values.aux}.items()}
-        held.advance(*self._compiled.update(held.params, held.opt_state, mean, None, scalars))
+        mine = tuple(sorted(shards))  # summed in shard order on the devices, in the step's program(s)
+        _, values = self._run_fused(step, mine, (tuple(range(len(mine))),), 2,
+                                    self._one_program(1, spec.step_program))
         t1 = time.perf_counter()
         self._exchange.spans.add("compute", t0, t1)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux,
@@ -418,7 +541,7 @@ class SliceSteps:
             else:
                 out["grads"][replica] = local_blocks(jax.tree.leaves(d)) if layout.sharded else jax.tree.map(_host_value, d)
             out["loss"][replica], out["weight"][replica], out["aux"][replica] = 0.0, 1.0, {}
-        return self._chunks(plan, out, speaks)
+        return self._exchange_side.send(plan, out, speaks, self._slice_id)
 
     def _fragment(self, spec: OuterSpec, fragment: Optional[int]) -> Optional[tuple]:
         """The leaf indices of Streaming DiLoCo's `fragment` (None: every leaf)."""
@@ -445,7 +568,8 @@ class SliceSteps:
             raise RuntimeError(f"slice {self._slice_id} holds step {held.step}, asked to synchronize at {boundary}")
         t0 = time.perf_counter()
         leaves = self._fragment(spec, fragment)
-        total = self._gathered(tuple(p for p in parts if p and "chunk" in p), self._fragment_template(leaves))
+        total = self._exchange_side.gathered(tuple(p for p in parts if p and "chunk" in p),
+                                              self._exchange_side.fragment_template(leaves))
         count = math.fsum(total["weight"].values())
         mean = jax.tree.map(lambda a: divided(a, count), total["sum"])
         if leaves is not None and layout.sharded:
@@ -463,21 +587,6 @@ class SliceSteps:
         if not later:
             held.generation += 1  # another state than the last inner step made (a fingerprint begun of it is void)
         return {"synced": boundary, "replicas": sorted(total["weight"]), "apply_s": time.perf_counter() - t0}
-
-    def _fragment_template(self, leaves: Optional[tuple]) -> Optional[tuple]:
-        """The gradient template (`_grad_template`'s form) of a fragment's
-        delta, as outer_delta keys it; None: the whole params'."""
-        import jax
-
-        if leaves is None:
-            return None
-        if self._template is None:
-            self._template = self._grad_template()
-        specs, treedef = self._template
-        keyed = jax.tree.unflatten(treedef, specs)
-        if self._layout.sharded:
-            return jax.tree.flatten({k: v for k, v in keyed.items() if k[1] in leaves})
-        return jax.tree.flatten({i: specs[i] for i in leaves})
 
     def adopt_outer(self, copy: dict, spec: OuterSpec, take: Any = "all") -> int:
         """Hold another replica's global params and outer state and take

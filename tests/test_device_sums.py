@@ -1,0 +1,65 @@
+"""The step's sums on the devices (worker/device_sums.py), inside one
+process (no Ray): SliceWorkers driven through every path of the exchange
+plan as the controller drives them, replicated and sharded. The sums made
+on the devices give the bits numpy's give (the direct hand-off, the
+owners' chunk sums) in the same order; one slice sends nothing; several
+send one gradient per host per step (half of it in bfloat16).
+tests/test_exchange_e2e.py and the resize tests run the same paths on a
+real cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "device_sums_driver.py")
+STEPS = 3
+
+
+@pytest.fixture(scope="module", params=[("replicated", 2), ("fsdp", 4)], ids=["replicated-2dev", "fsdp-4dev"])
+def facts(request):
+    layout, devices = request.param
+    out = subprocess.run([sys.executable, DRIVER, layout, str(devices)], capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_sums_on_the_devices_give_numpys_bits_in_the_same_order(facts):
+    assert facts["equal"] and all(facts["equal"].values()), facts["equal"]
+    assert all(facts["slices_agree"].values()), facts["slices_agree"]
+    # The check can fail: another order of the same shards, or the wire's
+    # rounding, changes the state's bits.
+    assert all(facts["differs"].values()), facts["differs"]
+
+
+def test_one_program_is_the_same_math_to_float_rounding(facts):
+    # The update compiled with the gradient (an accelerator's default): the
+    # compiler may fuse its multiplies and adds, so not bitwise; allclose.
+    assert facts["one_program_close"]
+    assert facts["sent"]["one_program"] == 0
+    assert facts["losses"]["one_program"][0] == facts["losses"]["host"][0]  # the first step's loss, before any update
+
+
+def test_losses_follow_the_order_of_the_sums(facts):
+    losses = facts["losses"]
+    assert losses["host"] == losses["one_slice"]
+    assert losses["one_of_two"] == losses["two_slices"] == losses["finished"]
+    assert losses["one_of_three"] == losses["three_slices"]
+    assert losses["host"][-1] < losses["host"][0]  # it trains
+
+
+def test_one_slice_sends_nothing_and_several_send_one_gradient_each(facts):
+    sent, grad = facts["sent"], facts["gradient_bytes"]
+    for alone in ("one_slice", "one_of_two", "one_of_three", "bf16_one", "one_program"):
+        assert sent[alone] == 0, (alone, sent)
+    # Two slices: one sum per slice per step (their blocks, summed on the
+    # devices first), no shard's gradient on its own.
+    assert sent["two_slices"] == 2 * STEPS * grad, (sent, grad)
+    assert sent["bf16_two"] == STEPS * grad, (sent, grad)
+    # Three slices, 4 shards: slice 0 holds block 0 whole (shards 0 and 3),
+    # so each slice sends one sum.
+    assert sent["three_slices"] == 3 * STEPS * grad, (sent, grad)
