@@ -168,8 +168,8 @@ class FakeWorker:
     returns ObjectRefs; a dead worker's calls return refs that raise
     ActorDiedError."""
 
-    _METHODS = ("info", "setup", "compute_grads", "reduce", "apply", "snapshot", "state", "flat_state", "load_state",
-                "held_step", "ping", "state_template", "coordinator_address", "abort_waits")
+    _METHODS = ("info", "setup", "compute_grads", "reduce", "take_inputs", "apply", "snapshot", "state", "flat_state",
+                "load_state", "held_step", "ping", "state_template", "coordinator_address", "abort_waits")
 
     def __init__(self, owner: "FakeSlices", slice_id: int, host: int, hosts: int):
         self._owner = owner
@@ -239,7 +239,10 @@ class FakeWorker:
         # them; the fake never looks inside.
         return {"count": len(keys)}, {"key": keys[0], "sum": {"w": self._owner.grad}, "count": len(keys), "loss": {}}
 
-    def _apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0) -> tuple:
+    def _take_inputs(self, step: int, parts: list, epoch: int = 0) -> int:
+        return step  # ahead of the apply on a slice of several hosts (dispatch/applies.py): nothing to hold
+
+    def _apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0, *taken) -> tuple:
         # parts are refs (payloads or partial sums): a real worker gets them
         # resolved by Ray; the fake never looks inside.
         if self._owner.handed_out and step > self.step:

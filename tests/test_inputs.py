@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import ray
 
-from ray_elastic.worker.inputs import InputsAborted, fetch_inputs
+from ray_elastic.worker.inputs import CallInputs, InputsAborted, fetch_inputs
 
 pytestmark = pytest.mark.cluster
 
@@ -88,3 +88,23 @@ def test_ray_s_client_failing_is_an_input_lost(cluster, monkeypatch):
     monkeypatch.setattr(ray, "wait", broken)
     with pytest.raises(InputsLost, match="Broken pipe"):
         fetch_inputs([ray.put(1)], lambda: False, "step 2's inputs")
+
+
+def test_an_apply_gets_the_inputs_taken_for_it_and_no_others():
+    """On a slice of several hosts an apply's inputs are taken ahead of it
+    (take_inputs: dispatch/applies.py). The apply gets those taken for its
+    own step and epoch, once; they go with it, and so do those of a take
+    given up on for that step. A re-issued apply of a step applied already
+    needs none; any other apply finding none fails rather than apply
+    nothing."""
+    waits: list = []
+    inputs = CallInputs("slice 0 host 1", waits.append)
+    inputs.take([1, 2], epoch=0, step=4)  # given up on: the step was issued again
+    inputs.take([3], epoch=1, step=4)
+    inputs.take([5], epoch=1, step=5)
+    assert inputs.taken(1, 4, applied=False) == (3,)
+    assert inputs.taken(1, 4, applied=True) == ()
+    with pytest.raises(RuntimeError, match="no inputs taken"):
+        inputs.taken(0, 4, applied=False)
+    assert inputs.taken(1, 5, applied=False) == (5,)
+    assert len(waits) == 3  # each take's wait, counted as the exchange's

@@ -78,6 +78,8 @@ class _Worker:
         self.compute_grads = _Method(self._grads)
         self.reduce = _Method(self._reduce)
         self.apply = _Method(self._apply)
+        self.take_inputs = _Method(self._take)
+        self._taken = None  # the inputs take_inputs fetched
         self.snapshot = _Method(self._snapshot)
         self._begun = None  # the snapshot the last apply began
         self.ping = _Method(lambda: Ref(True))
@@ -113,12 +115,21 @@ class _Worker:
         total = sum(v for p in parts for v in p.value.values())
         return Ref({"count": len(keys)}), Ref({keys[0]: total})
 
-    def _apply(self, k, take, parts, epoch):
+    def _take(self, k, parts, epoch):
+        error = self._inputs(parts)
+        if error is not None:
+            return Ref(error=error)
+        self._taken = parts
+        return Ref(k)
+
+    def _apply(self, k, take, parts, epoch, *taken):
         if ("apply dies", self.s, self.h) in self._flaky:
             return Ref(error=rex.ActorDiedError())
+        parts = self._taken if taken else parts
         error = self._inputs(parts)
         if error is not None or self._fails("apply"):
             return Ref(error=error or _unavailable())
+        self._calls.append(("applied", self.s, self.h, k))
         total = sum(v for p in parts for v in p.value.values())
         if take:
             self._begun = {"step": k + 1, "sum": total}
@@ -129,11 +140,14 @@ class _Worker:
 
 
 class _Probe:
+    def __init__(self):
+        self.lost: set = set()  # the nodes gone
+
     def node_alive(self, node_id):
-        return True
+        return node_id not in self.lost
 
     def raylet_reachable(self, node_id):
-        return True
+        return node_id not in self.lost
 
     def ping(self, worker, timeout_s):
         return True
@@ -211,6 +225,31 @@ def test_no_host_computes_the_next_step_unless_its_whole_slice_applied(runner):
     ran = {(s, h) for name, s, h, k in (c for c in calls if c[0] == "grads ran") if k == 1}
     assert (1, 0) not in ran and (1, 1) not in ran
     assert {(0, 0), (0, 1), (2, 0), (2, 1)} <= ran  # the other slices' went ahead as issued
+
+
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_slice_applies_a_step_on_all_its_hosts_or_none(runner, pipeline):
+    """Two slices of two hosts, each host holding its own blocks (a
+    sharded layout). Slice 1 host 1's node goes once its gradients are
+    computed: they are lost, and slice 0's host 1, whose apply sums them,
+    cannot have its inputs. Slice 0's host 0 has its own, but its apply is
+    one program with host 1 (a global norm's all-reduce): alone, it would
+    wait in that for good and leave the slice a step apart from itself,
+    with no one step to resume from. Neither host of slice 0 applies, and
+    the failure is slice 1's."""
+    runner.pipeline = pipeline
+    calls: list = []
+    runner.locator.probe.lost = {"node-1-1"}
+    live = {s: LiveSlice(s, [_Worker(s, set(), calls, h) for h in range(2)],
+                         [{"node_id": f"node-{s}-{h}", "pid": 10 * s + h, "ip": ""} for h in range(2)], per_host=True)
+            for s in range(2)}
+    lost = rex.ObjectLostError("ab" * 14, None, "")
+    live[1].workers[1].compute_grads = _Method(lambda k, shards, *after: (Ref({"loss": 1.0}), Ref(error=lost)))
+    with pytest.raises(SliceFailure) as e:
+        runner.run(0, live, {0: (0,), 1: (1,)}, frozenset(), deadline_s=5.0)
+    assert (e.value.slice_id, e.value.kind.value) == (1, "node_died")
+    runner.settle_applies(timeout_s=1.0, slices={0}, abort_waits=True)
+    assert not [c for c in calls if c[0] == "applied" and c[1] == 0], calls
 
 
 def test_after_a_failure_the_calls_issued_ahead_give_up_whatever_was_lost(runner):

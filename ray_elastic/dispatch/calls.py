@@ -2,7 +2,8 @@
 them: one call on one host (`Call`), the step's deadline (`Deadline`), a
 step's gradient phase and reduction tree issued as one graph (`Issued`),
 a step's calls grouped by slice, and what a step comes back with
-(`StepResult`, or `PartialStep` when a slice failed in it). Pure: nothing here talks to Ray
+(`StepResult`, or `PartialStep` when a slice failed in it); whether a
+slice's hosts hold their own blocks (`per_host`). Pure: nothing here talks to Ray
 (step_runner.py makes the calls and waits for them; the group leaders,
 leader.py, use the same pieces)."""
 
@@ -11,7 +12,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-__all__ = ["Call", "Deadline", "Issued", "PartialStep", "StepResult", "refs_by_slice"]
+__all__ = ["Call", "Deadline", "Issued", "PartialStep", "StepResult", "per_host", "refs_by_slice"]
+
+
+def per_host(sl) -> bool:
+    """Whether each host of a slice holds its own blocks of the state (a
+    sharded layout): then every host sends gradients, snapshots and loads
+    its own part, and a slice's snapshot is a tuple of one ref per host,
+    whatever the host count (one host gives a tuple of one)."""
+    return bool(getattr(sl, "per_host", False))
 
 
 @dataclasses.dataclass(frozen=True)

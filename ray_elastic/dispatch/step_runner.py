@@ -42,9 +42,10 @@ from typing import Callable, Mapping, Optional, Sequence
 import ray
 from ray import exceptions as rex
 
+from ray_elastic.dispatch.applies import issue_applies
 from ray_elastic.dispatch.assignment import spread_shards
 from ray_elastic.dispatch.unread import Dropped
-from ray_elastic.dispatch.calls import Call, Deadline, Issued, PartialStep, StepResult, refs_by_slice
+from ray_elastic.dispatch.calls import Call, Deadline, Issued, PartialStep, StepResult, per_host, refs_by_slice
 from ray_elastic.dispatch.exchange import ExchangeSpec, issue_exchange, sources_of
 from ray_elastic.dispatch.tree import Part, deeper, gates, holders, refs_of
 from ray_elastic.errors import FailureKind, SliceFailure
@@ -61,14 +62,6 @@ NODE_PROBE_S = 0.25
 # long are collected with it: how much later than at once a failed call is
 # seen.
 GATHER_POLL_S = 0.01
-
-
-def per_host(sl) -> bool:
-    """Whether each host of a slice holds its own blocks of the state (a
-    sharded layout): then every host sends gradients, snapshots and loads
-    its own part, and a slice's snapshot is a tuple of one ref per host,
-    whatever the host count (one host gives a tuple of one)."""
-    return bool(getattr(sl, "per_host", False))
 
 
 def senders(sl) -> int:
@@ -105,6 +98,7 @@ class StepRunner:
         self.unread = self._dropped.unread
         self._first: dict[tuple[int, int], tuple] = {}  # (step, slice) -> calls its gradient calls wait for
         self._applies: dict = {}  # (slice, host) -> metrics ref of the last step's apply call (its latest try)
+        self._taken: dict = {}  # (slice, host) -> its take_inputs ref, on a slice of several hosts (applies.py)
         self._workers: dict = {}  # slice -> its workers, as the last apply calls had them
         # Applies and reductions carry the epoch they were issued in; after
         # a failure, those of the epoch still waiting for an input give up
@@ -361,30 +355,10 @@ class StepRunner:
         calls, and tells these slices (`track_slices`)."""
         if isinstance(grad_refs, list):
             grad_refs = {0: grad_refs}
-        issued, parts = [], {}  # parts: slice -> {host: (its snapshot's status ref, state ref)}
-        self._applies = {}
-        for s, sl in sorted(live.items()):
-            own = per_host(sl)
-            for h, w in enumerate(sl.workers):
-                # A sharded slice's hosts each snapshot their own blocks.
-                take = (h == 0 or own) and s in takers
-                refs = grad_refs[h if own else 0]
-
-                def call(w=w, take=take, refs=refs, s=s, h=h):
-                    m_ref = w.apply.remote(k, take, list(refs), self.epoch)
-                    if take:  # the copy, off the step's path, once the apply is done; the driver owns it
-                        parts.setdefault(s, {})[h] = w.snapshot.options(num_returns=2, concurrency_group="snapshot").remote(k, m_ref)
-                    self._applies[(s, h)] = m_ref  # a re-issue is the one settle_applies waits for
-                    return m_ref
-
-                issued.append(Call(s, h, call(), call))
-
-        def snaps() -> tuple[dict, dict]:  # (slice -> state ref(s), slice -> status refs)
-            return ({s: tuple(refs[h][1] for h in sorted(refs)) if per_host(live[s]) else refs[0][1]
-                     for s, refs in parts.items()}, {s: tuple(r[0] for _, r in sorted(refs.items())) for s, refs in parts.items()})
-
+        out = issue_applies(k, live, grad_refs, takers, self.epoch)
+        self._applies, self._taken = out.applies, out.taken  # a re-issue is the one settle_applies waits for
         self.track_slices(live)
-        return issued, snaps
+        return out.calls, out.snaps
 
     def track_slices(self, live: Mapping) -> None:
         """The slices settle_applies tells to give up their waits, with
@@ -394,7 +368,7 @@ class StepRunner:
 
     def forget_applies(self) -> None:
         """Let go of the last applies and their slices (an idle leader)."""
-        self._applies, self._workers = {}, {}
+        self._applies, self._taken, self._workers = {}, {}, {}
 
     def applied(self, k: int, live: Mapping) -> Optional[StepResult]:
         """Step k's result on live slices found a step ahead after a loss:
@@ -412,18 +386,19 @@ class StepRunner:
         """After a failure, settle the step's apply calls before the
         survivors say which step they hold (Membership.reconcile): those
         not started (waiting for an input, maybe on a frozen node) are
-        cancelled; those of `slices` (None: all) that run end (up to
-        timeout_s): a survivor's apply may have had every input and
-        complete the step after the failure. The lost slice's own are not
-        waited for (on a lost node they answer once Ray declares it dead).
-        With `abort_waits` (the lost node is gone or silent), first the
+        cancelled (their takes, on a slice of several hosts: applies.py);
+        those of `slices` (None: all) that run end (up to timeout_s): a
+        survivor's apply may have had every input and complete the step
+        after the failure. The lost slice's own are not waited for (on a
+        lost node they answer once Ray declares it dead). With
+        `abort_waits` (the lost node is gone or silent), first the
         survivors' calls waiting for an input give up: one on that node
         would arrive, as an error, only after Ray's pull timeout (10 s).
         After a process death its gradients, in its node's object store,
         still arrive and the survivors complete the step; only the calls
         issued ahead for later steps give up (they would hold the
         worker's threads, which the survivors' status calls need)."""
-        applies, self._applies = self._applies, {}
+        applies, taken, self._applies, self._taken = self._applies, self._taken, {}, {}
         epoch, self.epoch = self.epoch, self.epoch + 1
         from_step = 0 if abort_waits else None if self.step is None else self.step + 1
         if from_step is not None:
@@ -432,12 +407,12 @@ class StepRunner:
             if from_step is not None and (slices is None or s in slices):
                 for w in workers:
                     w.abort_waits.options(concurrency_group="control").remote(epoch, from_step)
-        for ref in applies.values():
+        for key, ref in applies.items():
             try:
-                ray.cancel(ref)
+                ray.cancel(taken.get(key, ref))
             except Exception:  # already done, or its actor gone
                 pass
-            self.unread.add(ref)
+            self.unread.add(ref, (taken[key],) if key in taken else ())
         wanted = [ref for (s, _), ref in applies.items() if slices is None or s in slices]
         if wanted:
             ray.wait(wanted, num_returns=len(wanted), timeout=timeout_s)

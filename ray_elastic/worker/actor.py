@@ -40,7 +40,7 @@ from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.worker.exchange_stats import ExchangeStats
 from ray_elastic.worker.gc_pauses import GcPauses
 from ray_elastic.worker.host_cache import HostCompileCache
-from ray_elastic.worker.inputs import Aborts, fetch_inputs
+from ray_elastic.worker.inputs import CallInputs
 from ray_elastic.worker.notices import PreemptionNotice
 from ray_elastic.worker.predecessors import Predecessor, process_started, wait_gone
 from ray_elastic.worker.readiness import phase_seconds, readiness_phases
@@ -85,9 +85,6 @@ class SliceWorker:
         # this constructor (the class and its module loaded).
         self._init_at = time.time()
         self._created_at = created_at
-        # Which calls stop waiting for their inputs (abort_waits); the
-        # controller's StepRunner numbers them by epoch and step.
-        self._aborts = Aborts()
         self.slice_id = slice_id
         self.host = host
         self.hosts = hosts
@@ -96,6 +93,9 @@ class SliceWorker:
         self._num_shards = num_shards
         self._held = HeldState()
         self._exchange = ExchangeStats(slice_id)
+        # What its calls fetch, and which stop waiting for it (abort_waits;
+        # the controller's StepRunner numbers them by epoch and step).
+        self._inputs = CallInputs(f"slice {slice_id} host {host}", self._exchange.took_in)
         # A preemption notice finishes the step in hand instead of killing
         # the process mid-step (notices.py).
         self._notice = PreemptionNotice()
@@ -174,9 +174,9 @@ class SliceWorker:
         self.slice_id = slice_id
         self._steps.close()
         self._gc.thaw()
-        self._aborts = Aborts()
         self._held = HeldState()
         self._exchange = ExchangeStats(self.slice_id)
+        self._inputs = CallInputs(f"slice {slice_id} host {self.host}", self._exchange.took_in)
         self._first_apply_done = False
         self._build_run(self._compiled)
         done = time.time()
@@ -206,8 +206,8 @@ class SliceWorker:
         self._gc.thaw()
         self._layout = self._compiled = self._steps = self._transfer = self._checkpoints = None
         self._held = HeldState()
-        self._aborts = Aborts()
         self._exchange = ExchangeStats(self.slice_id)
+        self._inputs = CallInputs(f"slice {slice_id} host {self.host}", self._exchange.took_in)
         self._first_apply_done = False
         self._factory, self._seed, self._num_shards = program_factory, seed, num_shards
         marks = [("setup_start", time.time())]
@@ -314,30 +314,41 @@ class SliceWorker:
 
     def reduce_chunk(self, step: int, plan: ExchangePlan, c: int, parts: list, epoch: int = 0) -> tuple[dict, dict]:
         """The exchange's reduce-scatter on the owner of chunk c: the sum of
-        every source's chunk c (`parts`: refs, fetched here, see `_inputs`)
+        every source's chunk c (`parts`: refs, fetched here: inputs.py)
         in the plan's order. Pure, so the controller may re-issue it."""
-        return self._steps.reduce_chunk(plan, c, self._inputs(parts, epoch, step))
+        return self._steps.reduce_chunk(plan, c, self._inputs.fetch(parts, epoch, step))
 
     def reduce(self, step: int, keys: tuple[int, ...], parts: list, epoch: int = 0) -> tuple[dict, dict]:
         """One node of the controller's reduction tree: the in-order sum of
         the pieces named by `keys` (shards, or lower nodes' first shards)
-        found in `parts` (refs, fetched here: see `_inputs`). Pure, so the
+        found in `parts` (refs, fetched here: inputs.py). Pure, so the
         controller may re-issue it."""
-        return self._steps.reduce(keys, self._inputs(parts, epoch, step))
+        return self._steps.reduce(keys, self._inputs.fetch(parts, epoch, step))
 
-    def apply(self, step: int, snapshot: bool, parts: list, epoch: int = 0) -> dict:
+    def take_inputs(self, step: int, parts: list, epoch: int = 0) -> int:
+        """Fetch the inputs of step `step`'s apply (`parts`, as `apply`
+        takes them) and hold them for it, on a slice of several hosts
+        (dispatch/applies.py); returns `step`."""
+        self._inputs.take(parts, epoch, step)
+        return step
+
+    def apply(self, step: int, snapshot: bool, parts: Optional[list], epoch: int = 0, *taken: Any) -> dict:
         """Phase 2: apply the mean of all shard gradients, in shard order.
 
         `parts` are refs of phase-1 payloads or reduction-tree partial sums
-        (fetched here: see `_inputs`); either way they are summed in the
+        (fetched here: inputs.py); either way they are summed in the
         order of the shards they cover, so the result does not depend on
         which slice computed which shard. Returns the step's metrics.
         `snapshot`: begin a snapshot of the new state, which the driver's
         `snapshot` call then takes off the step's path (transfer.py).
+        `taken`: on a slice of several hosts, every host's `take_inputs`
+        reply (Ray runs this call once they are all in, and not at all if
+        one failed); `parts` is then None and the inputs are those taken.
         Idempotent for a step already applied, so the controller can
         re-issue it.
         """
-        parts = self._inputs(parts, epoch, step)
+        parts = (self._inputs.taken(epoch, step, applied=self._held.step == step + 1) if taken else
+                 self._inputs.fetch(parts, epoch, step))
         with self._held.lock:
             self._transfer.keep_begun()  # the apply donates the state a snapshot may not have viewed yet
             metrics = self._steps.apply(step, parts)
@@ -376,7 +387,7 @@ class SliceWorker:
                      fragment: Optional[int] = None) -> dict:
         """The outer step at `boundary` over the owners' sums in `parts`
         (refs, fetched here); idempotent for a boundary already synchronized."""
-        parts = self._inputs(parts, epoch, boundary)
+        parts = self._inputs.fetch(parts, epoch, boundary)
         with self._held.lock:
             reply = self._steps.outer_apply(boundary, parts, spec, fragment)
         if "apply_s" in reply:  # applied now: its inputs are counted (a simulated link waited for) off the
@@ -494,18 +505,7 @@ class SliceWorker:
         before, for step `from_step` or later, that still waits for an
         input stops waiting and raises (it changes nothing). Runs on the
         `control` concurrency group, so it reaches a call that is waiting."""
-        self._aborts.abort(epoch, from_step)
-
-    def _inputs(self, refs: list, epoch: int, step: int) -> tuple:
-        t0 = time.perf_counter()
-        try:
-            return self._fetch(refs, epoch, step)
-        finally:
-            self._exchange.took_in(time.perf_counter() - t0)
-
-    def _fetch(self, refs: list, epoch: int, step: int) -> tuple:
-        return fetch_inputs(refs, lambda: self._aborts.covers(epoch, step),
-                            f"slice {self.slice_id} host {self.host}: step {step}'s inputs")
+        self._inputs.aborts.abort(epoch, from_step)
 
     def ping(self) -> bool:
         return True

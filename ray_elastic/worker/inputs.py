@@ -10,18 +10,22 @@ only after Ray's pull timeout (10 s) or its health checks declaring the
 node dead, so a node loss at the wrong moment stalled the survivors'
 recovery by that long. Fetched here, the wait ends as soon as the
 controller says a slice was lost (worker.abort_waits), and the call raises
-without changing anything.
+without changing anything. On a slice of several hosts an apply's inputs
+are fetched by a call ahead of it (`take_inputs`) in the same way, and
+held for it (`CallInputs.taken`): the slice's hosts then apply all or none
+(dispatch/applies.py).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable
 
 from ray_elastic.failures.internal import InputsAborted, InputsLost
 
-__all__ = ["Aborts", "InputsAborted", "InputsLost", "fetch_inputs", "POLL_S"]
+__all__ = ["Aborts", "CallInputs", "InputsAborted", "InputsLost", "fetch_inputs", "POLL_S"]
 
 POLL_S = 0.02  # how often a waiting call looks for an abort
 
@@ -45,6 +49,41 @@ class Aborts:
     def covers(self, epoch: int, step: int) -> bool:
         # A copy: `abort` runs on the worker's control thread meanwhile.
         return any(epoch <= e and step >= first for e, first in list(self._marks.items()))
+
+
+class CallInputs:
+    """A worker's inputs for one run: what each call fetches (`fetch`),
+    given up on as `aborts` says, the wait counted by `took_in`; and the
+    inputs of an apply taken ahead of it (`take`: on a slice of several
+    hosts every host's apply waits for every host's take, so that the
+    slice applies a step on all its hosts or none, dispatch/applies.py)."""
+
+    def __init__(self, where: str, took_in: Callable[[float], None]) -> None:
+        self.aborts = Aborts()
+        self._where, self._took_in = where, took_in
+        self._taken: dict[tuple[int, int], tuple] = {}  # (step, epoch) -> an apply's inputs
+
+    def fetch(self, refs: list, epoch: int, step: int) -> tuple:
+        t0 = time.perf_counter()
+        try:
+            return fetch_inputs(refs, lambda: self.aborts.covers(epoch, step), f"{self._where}: step {step}'s inputs")
+        finally:
+            self._took_in(time.perf_counter() - t0)
+
+    def take(self, refs: list, epoch: int, step: int) -> None:
+        """Fetch the inputs of step `step`'s apply issued in `epoch`, and hold them for it."""
+        self._taken[(step, epoch)] = self.fetch(refs, epoch, step)
+
+    def taken(self, epoch: int, step: int, applied: bool) -> tuple:
+        """The inputs taken for that apply, let go with those of earlier
+        steps (a take given up on leaves its own); none if the step is
+        `applied` already (a re-issued apply answers without them)."""
+        got = self._taken.pop((step, epoch), None)
+        for key in [key for key in self._taken if key[0] <= step]:  # in place: a take may add one meanwhile
+            self._taken.pop(key, None)
+        if got is None and not applied:
+            raise RuntimeError(f"{self._where}: the apply of step {step} (epoch {epoch}) found no inputs taken")
+        return got or ()
 
 
 def fetch_inputs(refs: list, aborted: Callable[[], bool], what: str) -> tuple:
