@@ -224,11 +224,12 @@ def _two_slices(factory, steps: int, cache: str) -> dict:
         # The applies' own time, less what they spent copying in and summing: the updates.
         phase["update"] = applies - sum(split.s[n] - mid[n] for n in split.s)
         per_step.append(phase)
-    # The copies themselves: one gradient's tree out to the host and back, per slice.
-    grad = jax.tree.map(lambda a: a * 1.0, ws[0].params)
-    _block(grad)
+    # The copies themselves: one gradient's tree out to the host and back,
+    # each time of a fresh device array (numpy keeps what it fetched once).
     outs, ins = [], []
-    for _ in range(3):
+    for i in range(3):
+        grad = jax.tree.map(lambda a, i=i: a * (1.0 + i), ws[0].params)
+        _block(grad)
         t0 = time.perf_counter()
         host = jax.tree.map(np.asarray, grad)
         outs.append(time.perf_counter() - t0)
@@ -236,7 +237,7 @@ def _two_slices(factory, steps: int, cache: str) -> dict:
         back = jax.device_put(host)
         _block(back)
         ins.append(time.perf_counter() - t0)
-        del back
+        del back, grad
     copies = 2 * (statistics.median(outs) + statistics.median(ins))  # each slice's gradient, out and in
     # The gradient calls' time, less their copies out: the compute.
     compute_s = [a + b - st["copy_out"] for a, b, st in zip(compute[0::2], compute[1::2], per_step)]

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 DRIVER = os.path.join(os.path.dirname(__file__), "drivers", "device_sums_driver.py")
@@ -42,6 +43,7 @@ def test_one_program_is_the_same_math_to_float_rounding(facts):
     assert facts["one_program_close"]
     assert facts["sent"]["one_program"] == 0
     assert facts["losses"]["one_program"][0] == facts["losses"]["host"][0]  # the first step's loss, before any update
+    np.testing.assert_allclose(facts["losses"]["one_program"], facts["losses"]["host"], rtol=1e-6)
 
 
 def test_losses_follow_the_order_of_the_sums(facts):
@@ -63,3 +65,21 @@ def test_one_slice_sends_nothing_and_several_send_one_gradient_each(facts):
     # Three slices, 4 shards: slice 0 holds block 0 whole (shards 0 and 3),
     # so each slice sends one sum.
     assert sent["three_slices"] == 3 * STEPS * grad, (sent, grad)
+
+
+def test_an_accelerators_snapshot_raveled_on_the_host_is_the_devices_ravel():
+    """On an accelerator a replicated snapshot is copied leaf by leaf and
+    raveled on the host (worker/transfer.py): the same bytes as the jitted
+    ravel the CPU path keeps, mixed dtypes (Adam's int32 count) included."""
+    import jax
+    import optax
+    from jax.flatten_util import ravel_pytree
+
+    from ray_elastic.worker.transfer import host_ravel
+
+    params = {"a": jax.numpy.arange(12.0).reshape(3, 4) / 7, "b": -jax.numpy.arange(5.0) * 1e-30}
+    state = (params, optax.adamw(1e-3).init(params))
+    flat = np.asarray(ravel_pytree(state)[0])
+    mine = host_ravel(jax.tree.leaves(state))
+    assert mine.dtype == flat.dtype and np.array_equal(mine, flat)
+    assert not np.array_equal(host_ravel(jax.tree.leaves((state[1], state[0]))), flat)  # the order counts

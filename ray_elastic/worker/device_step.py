@@ -7,7 +7,9 @@ same program or in the update program every other path runs
 shards' scalars, fetched once.
 
 - One program, as a plain JAX step is one: no gradient-sized buffer lives
-  between programs, so the slice's device memory is plain JAX's. The
+  between programs, so the slice's device memory is plain JAX's; a
+  one-slice run's shards are computed in a loop (`lax.scan`), one at a
+  time, as a plain step scans its microbatches. The
   compiler then fuses the optimizer's arithmetic with the gradient's, and
   where it fuses a multiply and an add into one (XLA's CPU backend does),
   the bits differ from an update compiled alone: this state is the same
@@ -64,6 +66,10 @@ def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int,
     from ray_elastic.worker.chunks import tree
 
     grad_fn = grad_function(program, mesh, seed, num_shards, batch_ways)
+    # One program over one block (a one-slice run): the shards in a loop.
+    # Not where the state must be bitwise another path's (the update apart):
+    # the loop's body is compiled apart from the gradient program.
+    fold_in_loop = with_update and len(blocks) == 1 and wire is None
     update_fn = update_function(program)
     reduction = program.model_state_reduction
     state_op = jnp.maximum if reduction == "max" else jnp.add
@@ -84,17 +90,42 @@ def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int,
     def landed(t, like):  # the sum as it travels back, in the params' dtypes (chunks.assemble)
         return jax.tree.map(lambda a, p: a.astype(wire).astype(p.dtype), t, like)
 
+    def scanned(params, slot, batches, at_step, shards):
+        """The shards one after another in a loop, their gradients added
+        into one sum as they come (a left fold in key order, from -0.0,
+        the sum's identity), as a plain JAX step scans microbatches: one
+        shard's activations at a time, the compiler free to fuse each add."""
+        def one(acc, xs):
+            batch, shard = xs
+            total, weight, aux, state, g = grad_fn(params, slot, batch, at_step, shard)
+            return jax.tree.map(jnp.add, acc, g), (total, weight, aux, state)
+
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
+        zero = jax.tree.map(lambda p: jnp.full(p.shape, -0.0, p.dtype), params)
+        summed, (totals, weights, auxes, states) = jax.lax.scan(one, zero, (stacked, jnp.stack(shards)))
+        n = len(batches)
+        unstack = lambda t: [jax.tree.map(lambda a, i=i: a[i], t) for i in range(n)]  # noqa: E731
+        return summed, unstack(totals), unstack(weights), unstack(auxes), \
+            (None if states is None else unstack(states))
+
     def step(params, slot, batches, at_step, shards):
-        outs = [grad_fn(params, slot, b, at_step, s) for b, s in zip(batches, shards)]
-        totals, weights, auxes, states, grads = (list(x) for x in zip(*outs))
-        # Each shard's gradient whole before the sum: else the compiler may
-        # merge the shards' scatter-adds (an embedding's gradient) into one,
-        # adding their rows in another order than the sum of the shards'.
-        grads = [jax.lax.optimization_barrier(g) for g in grads]
+        if fold_in_loop:
+            summed, totals, weights, auxes, states = scanned(params, slot, batches, at_step, shards)
+            grads = None
+        else:
+            outs = [grad_fn(params, slot, b, at_step, s) for b, s in zip(batches, shards)]
+            totals, weights, auxes, states, grads = (list(x) for x in zip(*outs))
+            # Each shard's gradient whole before the sum: else the compiler
+            # may merge the shards' scatter-adds (an embedding's gradient)
+            # into one, adding their rows in another order than the sum of
+            # the shards'.
+            grads = [jax.lax.optimization_barrier(g) for g in grads]
         f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
         divisor, metrics = float32_values(totals, weights, {k: [a[k] for a in auxes] for k in program.aux},
                                           program.aux, jnp.add, jnp.maximum, f32)
-        if wire is None:
+        if fold_in_loop:
+            pass
+        elif wire is None:
             summed = in_plan_order(grads)
         else:
             summed = landed(in_plan_order(grads, rounded=on_wire), params)

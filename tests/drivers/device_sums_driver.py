@@ -150,9 +150,12 @@ facts = {
     # Another order, or the wire's rounding, changes the bits.
     "differs": {f"{a}!={b}": not same(states[a][0], states[b][0]) for a, b in (
         ("one_slice", "one_of_two"), ("one_of_two", "bf16_one"))},
-    # The one program: the host's losses to float32 rounding, its state
-    # within a few float32 ulps of the host's after STEPS steps.
-    "one_program_close": bool(all(np.allclose(a, b, rtol=1e-5, atol=1e-7)
+    # The one program: the host's losses to float32 rounding (the test
+    # checks), its state within a tenth of one Adam step of the host's after
+    # STEPS steps (Adam moves a param by about the learning rate, 3e-3,
+    # whatever its gradient's size: where a gradient near zero rounds
+    # otherwise, its param's step differs by a fraction of that).
+    "one_program_close": bool(all(np.allclose(a, b, rtol=1e-4, atol=3e-4)
                                   for a, b in zip(states["host"][0], states["one_program"][0]))),
     "gradient_bytes": int(sum(np.asarray(a).nbytes for a in jax.tree.leaves(results["host"][1][0].params))),
 }
