@@ -304,3 +304,44 @@ def test_exchange_tiny(cluster, nodes):
     assert rows[(2, "reduce_scatter", "bfloat16")]["ratio_to_ring"] == pytest.approx(0.5, abs=0.03)
     text = exchange.table(result)
     assert "| 3 | 1 | reduce_scatter | float32 |" in text and "| 2 | 1 | direct | float32 | 1 |" in text
+
+
+def test_tpu_tiny():
+    """`python -m bench tpu --size tiny` on CPU (no Ray cluster: each
+    variant drives its SliceWorkers in a process of its own, as on the TPU
+    machine): every variant runs its steps, one slice sends nothing and
+    two send one sum each, one slice's losses and two slices' are bitwise
+    equal (the update apart on CPU, the same order at 2 shards), the one
+    program's within float32 rounding of plain's, a snapshot and a
+    checkpoint come back, and the table has every row."""
+    from bench import tpu
+
+    result = tpu.run("tiny", variants=tpu.VARIANTS, steps=6, rounds=1)
+    v = result["variants"]
+    errors = {name: runs[0]["error"][-800:] for name, runs in v.items() if "error" in runs[0]}
+    assert not errors, errors
+    assert all(len(runs[0]["step_times"]) == 6 for runs in v.values())
+    assert v["one_slice"][0]["bytes_off_device"] == 0 and v["diloco"][0]["bytes_off_device"] == 0
+    grad = sum(4 * n for n in [tpu_params()])  # float32 gradient bytes per slice
+    assert v["two_slices"][0]["bytes_off_device"] == 2 * grad
+    assert v["one_slice"][0]["losses"] == v["two_slices"][0]["losses"] == v["one_slice_apart"][0]["losses"]
+    plain = v["plain"][0]["losses"]
+    for name in ("one_slice", "plain_micro", "diloco"):
+        assert max(abs(a - b) / abs(b) for a, b in zip(v[name][0]["losses"], plain)) < 1e-5, name
+    assert v["snapshot"][0]["snapshot_bytes"] > 0 and v["snapshot"][0]["snapshot_s"]
+    assert v["checkpoint"][0]["restored_equal"] and v["checkpoint"][0]["restored_step"] == 6
+    text = tpu.table(result)
+    assert all(f"| {name} |" in text for name in tpu.VARIANTS)
+    assert "two slices sharing the device" in text and "checkpoint (Orbax" in text
+
+
+def tpu_params() -> int:
+    """The tiny size's parameter count."""
+    import jax
+
+    import examples.lm as lm
+    from bench import tpu
+
+    program = lm.make_program(lm.LMConfig(**tpu.sizes()["tiny"]))
+    shapes = jax.eval_shape(program.init_params, jax.random.PRNGKey(0))
+    return sum(int(a.size) for a in jax.tree.leaves(shapes))
