@@ -123,13 +123,7 @@ class SliceSteps:
             time.sleep(self.delay_s)
         speaks = layout.sharded or self._host == 0
         out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}}
-        at_step = device_array(np.int32(step), layout.replicated)
-        for shard in shards:
-            total, weight, aux, state, g = self._compiled.grad(
-                held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)), at_step,
-                device_array(np.int32(shard), layout.replicated))
-            if shard == shards[-1]:  # the next step's rows, read while this one's gradients compute
-                self._batches.read_ahead(step + 1, shards)
+        for shard, (total, weight, aux, state, g) in self._shard_grads(step, shards):
             if not speaks:
                 continue
             # Under a sharded layout every host sends its own blocks, to the
@@ -150,6 +144,19 @@ class SliceSteps:
         if not speaks:
             return None, None  # host 0 speaks for the slice: the values are replicated
         return {"loss": out["loss"]}, {**out, "from_slice": self._slice_id}
+
+    def _shard_grads(self, step: int, shards: tuple):
+        """(shard, the gradient program's outputs) of each of `shards` in
+        turn at the held state (of step `step`), the next step's rows read
+        ahead while the last one computes."""
+        held, layout = self._held, self._layout
+        at_step = device_array(np.int32(step), layout.replicated)
+        for shard in shards:
+            out = self._compiled.grad(held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)),
+                                      at_step, device_array(np.int32(shard), layout.replicated))
+            if shard == shards[-1]:
+                self._batches.read_ahead(step + 1, shards)
+            yield shard, out
 
     def _host_payloads_due(self, step: int) -> bool:
         """Whether this step's gradients must reach the host shard by
@@ -175,16 +182,16 @@ class SliceSteps:
         self._window_from = (step, t1)  # the exchange's window opens: this host's gradients are ready
 
     def _grads_on_device(self, step: int, shards: tuple[int, ...], plan: ExchangePlan) -> tuple:
-        """`grads` under an exchange plan: each shard's gradient folded into
-        its block's sum on the devices (device_sums.py), the step's scalars
-        fetched once. Where this call computes every shard of the step
-        (one slice) the sums stay on the devices and the payload is only
-        the scalars; else each sum is rounded to the wire's dtype there,
-        copied out once and cut for the owners (kept on the devices too
-        where this host's apply takes them back: one owner)."""
+        """`grads` under an exchange plan. Where this call computes every
+        shard of the step (one slice), nothing: the apply runs the whole
+        step on the devices (device_step.py). Else each shard's gradient is
+        folded into its block's sum on the devices (device_sums.py), the
+        step's scalars fetched once, each sum rounded to the wire's dtype
+        there, copied out once and cut for the owners (and kept on the
+        devices where this host's apply takes it back: one owner)."""
         import jax
 
-        held, layout = self._held, self._layout
+        layout = self._layout
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
@@ -202,15 +209,9 @@ class SliceSteps:
         sums = self._sums
         sums.start(step)
         made: dict = {}  # this call's sums (a re-issued call makes them anew, never adds to the first's)
-        at_step = device_array(np.int32(step), layout.replicated)
         whole = {b for b in {plan.block_of(s) for s in mine} if set(plan.members(b)) <= set(mine)}
-        keys, values = [], []
-        for shard in mine:
-            total, weight, aux, state, g = self._compiled.grad(
-                held.params, held.opt_state, self._global_batch(self._batches.train(step, shard)), at_step,
-                device_array(np.int32(shard), layout.replicated))
-            if shard == mine[-1]:  # the next step's rows, read while this one's gradients compute
-                self._batches.read_ahead(step + 1, shards)
+        values = []
+        for shard, (total, weight, aux, state, g) in self._shard_grads(step, tuple(mine)):
             b = plan.block_of(shard)
             key = ("block", b) if b in whole else ("shard", shard)
             made[key] = sums.add(made.get(key), g)
@@ -403,8 +404,6 @@ class SliceSteps:
         the division and the update) as one program on the devices
         (device_step.py), which the gradient call left to this apply
         (`chunk`: its marker, and the eval it ran); (total, StepValues)."""
-        import jax
-
         plan, shards = chunk["plan"], chunk["fused"]
         t0 = time.perf_counter()
         one = self._one_program(plan.blocks, plan.step_program)
