@@ -47,9 +47,16 @@ class HostExchange:
         it: the whole tree (replicated), or its own blocks (sharded)."""
         import jax
 
+        # Every leaf's copy started before any is waited for: one at a time,
+        # two 152M gradients left a TPU v5e in 665 ms, against 550 ms at its
+        # host link's rate for one large array (2.2 GB/s).
         if self._layout.sharded:
-            return local_blocks(jax.tree.leaves(grad))
-        return jax.tree.map(lambda a: np.asarray(first_copy(a)), grad)
+            leaves = jax.tree.leaves(grad)
+            for a in leaves:
+                for shard in a.addressable_shards:
+                    shard.data.copy_to_host_async()
+            return local_blocks(leaves)
+        return jax.device_get(jax.tree.map(first_copy, grad))
 
     @staticmethod
     def wire_dtype(plan: ExchangePlan) -> Optional[np.dtype]:
