@@ -301,8 +301,9 @@ class ElasticConfig:
         other path runs it, holding the mean gradient between the two (one
         gradient's memory more), so that the state is bitwise the one any
         number of slices makes; "auto" (the default): "one" on an
-        accelerator for a one-slice run and DiLoCo, "update_apart" on CPU
-        and for the survivor of a larger run (docs/performance.md).
+        accelerator, "update_apart" on CPU (docs/performance.md). The
+        survivor of a larger run sums on its devices with the programs
+        the run has compiled, update apart, whatever this says.
     enable_diloco, diloco_sync_period, diloco_outer_lr,
         diloco_outer_momentum: DiLoCo, by MaxText's names and defaults
         (False, 36, 0.3, 0.9): each slice a replica training alone on its

@@ -1,5 +1,5 @@
-"""A slice's step on its devices where the slice computes every shard of
-it (a one-slice run, a DiLoCo replica's inner step): each shard's
+"""A slice's step on its devices where it is the run's only slice (or a
+DiLoCo replica taking an inner step), computing every shard: each shard's
 gradient, their sum in the exchange plan's order and the division by the
 step's weight in one program, and the optimizer's update either in the
 same program or in the update program every other path runs
@@ -49,17 +49,14 @@ def plan_positions(plan) -> tuple:
 
 
 def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int, batch_ways: int,
-                   blocks: tuple, fan_in: int, with_update: bool, wire: Any = None) -> Callable:
+                   blocks: tuple, fan_in: int, with_update: bool) -> Callable:
     """(params, opt_state slot, batches, step, shards) -> (params, slot,
     totals, weights, auxes, applied): the step over `batches` (one per
     shard, in key order; `shards` their ids), each shard's scalars, and
     whether the update was applied (False: a non-finite loss, no
     post_update). `blocks`: `plan_positions`' tuple; `fan_in`: the plan's.
     Without `with_update`: (mean gradient, model state, totals, weights,
-    auxes), for the update program of the other paths to apply. `wire`:
-    the exchange's dtype where the run's other slices would send their
-    sums in it (the survivor of a larger run): each block's sum and the
-    total rounded to it as the exchange rounds them (device_sums.py)."""
+    auxes), for the update program of the other paths to apply."""
     import jax
     import jax.numpy as jnp
 
@@ -69,7 +66,7 @@ def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int,
     # One program over one block (a one-slice run): the shards in a loop.
     # Not where the state must be bitwise another path's (the update apart):
     # the loop's body is compiled apart from the gradient program.
-    fold_in_loop = with_update and len(blocks) == 1 and wire is None
+    fold_in_loop = with_update and len(blocks) == 1
     update_fn = update_function(program)
     reduction = program.model_state_reduction
     state_op = jnp.maximum if reduction == "max" else jnp.add
@@ -80,15 +77,9 @@ def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int,
             acc = jax.tree.map(op, acc, t)
         return acc
 
-    def in_plan_order(values, op=jnp.add, rounded=lambda t: t):
-        nodes = [rounded(fold([values[i] for i in block], op)) for block in blocks]
+    def in_plan_order(values, op=jnp.add):
+        nodes = [fold([values[i] for i in block], op) for block in blocks]
         return tree(nodes, fan_in, lambda ns: fold(ns, op))
-
-    def on_wire(t):  # a block's sum as it travels: summed in float32 (chunks.sum_chunk)
-        return jax.tree.map(lambda a: a.astype(wire).astype(jnp.float32), t)
-
-    def landed(t, like):  # the sum as it travels back, in the params' dtypes (chunks.assemble)
-        return jax.tree.map(lambda a, p: a.astype(wire).astype(p.dtype), t, like)
 
     def scanned(params, slot, batches, at_step, shards):
         """The shards one after another in a loop, their gradients added
@@ -123,12 +114,8 @@ def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int,
         f32 = lambda v: jnp.asarray(v, jnp.float32)  # noqa: E731
         divisor, metrics = float32_values(totals, weights, {k: [a[k] for a in auxes] for k in program.aux},
                                           program.aux, jnp.add, jnp.maximum, f32)
-        if fold_in_loop:
-            pass
-        elif wire is None:
+        if not fold_in_loop:
             summed = in_plan_order(grads)
-        else:
-            summed = landed(in_plan_order(grads, rounded=on_wire), params)
         mean = jax.tree.map(lambda a: a / divisor.astype(a.dtype), summed)
         state = None
         if program.has_model_state:
@@ -153,7 +140,7 @@ def fused_function(program: TrainProgram, mesh: Any, seed: int, num_shards: int,
 
 
 def compile_fused(layout: Any, compiled: Any, seed: int, num_shards: int, blocks: tuple, fan_in: int,
-                  with_update: bool, wire: Any, compile_fn: Callable) -> Any:
+                  with_update: bool, compile_fn: Callable) -> Any:
     """`fused_function` compiled for the layout's shapes and `len(shards)`
     batches of the step's shape (CompiledStep's), ahead of time through
     `compile_fn` (the persistent compile caches), traced as the step's
@@ -169,7 +156,7 @@ def compile_fused(layout: Any, compiled: Any, seed: int, num_shards: int, blocks
     n = sum(len(b) for b in blocks)
     batch = {k: jax.ShapeDtypeStruct(shape, dtype, sharding=layout.batch_sharding)
              for k, (shape, dtype) in compiled.batch_specs.items()}
-    fn = fused_function(program, layout.mesh, seed, num_shards, layout.batch_ways, blocks, fan_in, with_update, wire)
+    fn = fused_function(program, layout.mesh, seed, num_shards, layout.batch_ways, blocks, fan_in, with_update)
     outs = ((layout.param_shardings, layout.opt_shardings, rep, rep, rep, rep) if with_update
             else (layout.param_shardings, rep, rep, rep, rep))
     with traced_under(layout.mesh, program.layout.rules):

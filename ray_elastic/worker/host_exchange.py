@@ -71,7 +71,8 @@ class HostExchange:
         the wire's width), or else `out`'s per-shard gradients, summed
         block by block here; cut for their owners (chunks.py). Chunk 0
         carries the per-shard scalars and model states, and where the
-        step is left to the apply, its shards (`fused`)."""
+        step is left to the apply, its shards (`fused`), or where the sums
+        stayed on the devices, their keys (`held`)."""
         import jax
 
         if not speaks:
@@ -86,8 +87,9 @@ class HostExchange:
         chunks = [{"chunk": c, "from_slice": slice_id, "plan": plan,
                    "pieces": {key: segs[c] for key, segs in cuts.items()}} for c in range(plan.chunks)]
         chunks[0]["meta"] = {f: out[f] for f in (*SCALARS, "model_state") if f in out}
-        if "fused" in out:  # one slice: the step is left to the apply, as one program (device_step.py)
-            chunks[0]["fused"] = out["fused"]
+        for marker in ("fused", "held"):  # the step left to the apply; the sums kept on the devices
+            if marker in out:
+                chunks[0][marker] = out[marker]
         self._stats.sent(chunks, time.perf_counter() - t0)
         return ({"loss": out["loss"]}, *chunks)
 

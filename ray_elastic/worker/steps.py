@@ -183,12 +183,14 @@ class SliceSteps:
 
     def _grads_on_device(self, step: int, shards: tuple[int, ...], plan: ExchangePlan) -> tuple:
         """`grads` under an exchange plan. Where this call computes every
-        shard of the step (one slice), nothing: the apply runs the whole
+        shard of a one-slice run's step, nothing: the apply runs the whole
         step on the devices (device_step.py). Else each shard's gradient is
         folded into its block's sum on the devices (device_sums.py), the
-        step's scalars fetched once, each sum rounded to the wire's dtype
-        there, copied out once and cut for the owners (and kept on the
-        devices where this host's apply takes it back: one owner)."""
+        step's scalars fetched once; the sums stay there where this slice
+        computes every shard (the survivor of a larger run), else each is
+        rounded to the wire's dtype there, copied out once and cut for the
+        owners (and kept on the devices where this host's apply takes it
+        back: one owner)."""
         import jax
 
         layout = self._layout
@@ -197,10 +199,11 @@ class SliceSteps:
             time.sleep(self.delay_s)
         speaks = layout.sharded or self._host == 0
         mine = sorted(shards)
-        if mine == sorted(plan.shards) and plan.chunks == 1:
-            # One slice: the whole step runs as one program in the apply
-            # (device_step.py). This call only runs the eval, on the state
-            # the step starts from, as the others do.
+        alone = mine == sorted(plan.shards) and plan.chunks == 1
+        if alone and plan.blocks == 1:
+            # A one-slice run: the whole step runs as one program in the
+            # apply (device_step.py). This call only runs the eval, on the
+            # state the step starts from, as the others do.
             out: dict = {"grads": {}, "loss": {}, "weight": {}, "aux": {}, "model_state": {}, "fused": tuple(mine)}
             if self._compiled.evaluate is not None and step % layout.program.eval_every == 0:
                 out["eval"] = self._evaluate(step, shards, speaks)
@@ -228,6 +231,13 @@ class SliceSteps:
             out["eval"] = self._evaluate(step, shards, speaks)
         if plan.chunks == 1:  # this host's apply sums the chunks: its own are taken from the devices
             sums.hold(step, made)
+        if alone:
+            # The survivor of a larger run: its blocks' sums stay on the
+            # devices for its apply, made by the programs every step of the
+            # run uses (a new program compiled now would take a step's
+            # deadline), so the state stays bitwise the failure-free run's.
+            out["held"] = tuple(sorted(made))
+            return self._exchange_side.send(plan, out, speaks, self._slice_id, summed={})
         wire = self._exchange_side.wire_dtype(plan)
         copies = {key: self._exchange_side.host_payload(sums.cast(g, wire)) for key, g in made.items()} \
             if speaks else {}
@@ -406,11 +416,8 @@ class SliceSteps:
         (`chunk`: its marker, and the eval it ran); (total, StepValues)."""
         plan, shards = chunk["plan"], chunk["fused"]
         t0 = time.perf_counter()
-        one = self._one_program(plan.blocks, plan.step_program)
-        # A survivor of a larger run rounds its blocks' sums as the exchange
-        # would send them; a one-slice run sends nothing.
-        wire = plan.wire_dtype if plan.blocks > 1 else None
-        total, values = self._run_fused(step, shards, plan_positions(plan), plan.fan_in, one, wire)
+        one = self._one_program(plan.step_program)
+        total, values = self._run_fused(step, shards, plan_positions(plan), plan.fan_in, one)
         total["eval"] = chunk.get("meta", {}).get("eval") or {}
         t1 = time.perf_counter()
         waited = self._grads_time[1] if self._grads_time[0] == step else 0.0  # a `slow` fault's delay
@@ -418,28 +425,25 @@ class SliceSteps:
         self._exchange.spans.add("compute", t0, t1)
         return total, values
 
-    def _one_program(self, blocks: int, mode: str) -> bool:
-        """Whether a slice computing every shard of a step runs it as one
-        program, update included (ElasticConfig.one_slice_program): on an
-        accelerator, where a gradient's memory counts, for a run of one
-        slice (`blocks`: its plan's) or a DiLoCo replica; with the update
-        apart where the state must be bitwise any slice count's."""
+    def _one_program(self, mode: str) -> bool:
+        """Whether a one-slice run's step or a DiLoCo inner step runs as
+        one program, update included (ElasticConfig.one_slice_program): on
+        an accelerator, where a gradient's memory counts; with the update
+        apart where the state must be bitwise any slice count's (CPU)."""
         if mode != "auto":
             return mode == "one"
-        return blocks == 1 and self._layout.mesh.devices.flat[0].platform != "cpu"
+        return self._layout.mesh.devices.flat[0].platform != "cpu"
 
-    def _run_fused(self, step: int, shards: tuple, blocks: tuple, fan_in: int, one: bool,
-                   wire: Optional[str] = None) -> tuple:
+    def _run_fused(self, step: int, shards: tuple, blocks: tuple, fan_in: int, one: bool) -> tuple:
         """Step `step` over `shards` (in key order) on the devices, summed
-        by `blocks` (device_step.plan_positions) and `fan_in` (rounded to
-        the `wire` dtype, if given), in one program (`one`) or with the
-        update apart; the held state advanced.
+        by `blocks` (device_step.plan_positions) and `fan_in`, in one
+        program (`one`) or with the update apart; the held state advanced.
         (total: the shards' scalars, StepValues). Raises NonFiniteLoss
         with the state unchanged."""
         import jax
 
         held, layout, program = self._held, self._layout, self._layout.program
-        key = (blocks, fan_in, one, wire)
+        key = (blocks, fan_in, one)
         fused = self._fused.get(key)
         if fused is None:
             fused = self._fused[key] = compile_fused(layout, self._compiled, self._seed, self._num_shards, *key,
@@ -479,6 +483,7 @@ class SliceSteps:
         own, copied = [], {}
         for p in sources:
             mine = p["from_slice"] == self._slice_id
+            own.extend(p.get("held", ()))  # kept on the devices by this host's gradient call
             for key, segs in p["pieces"].items():
                 if mine and key in held:
                     own.append(key)
@@ -509,7 +514,7 @@ class SliceSteps:
             time.sleep(self.delay_s)
         mine = tuple(sorted(shards))  # summed in shard order on the devices, in the step's program(s)
         _, values = self._run_fused(step, mine, (tuple(range(len(mine))),), 2,
-                                    self._one_program(1, spec.step_program))
+                                    self._one_program(spec.step_program))
         t1 = time.perf_counter()
         self._exchange.spans.add("compute", t0, t1)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux,
