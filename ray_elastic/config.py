@@ -19,7 +19,6 @@ POLICIES = ("pause", "resize")
 BATCH_MODES = ("accumulate", "shrink")
 EXCHANGES = ("reduce_scatter", "direct")
 EXCHANGE_DTYPES = (None, "bfloat16")
-STEP_PROGRAMS = ("auto", "one", "update_apart")
 # "1" in the driver's environment: ElasticConfig.keep_workers defaults to True.
 KEEP_WORKERS_ENV = "RAY_ELASTIC_KEEP_WORKERS"
 
@@ -282,28 +281,14 @@ class ElasticConfig:
         batch_on_resize="accumulate" only. Costs a process per leader.
         Leaders hand gradients on directly, whatever `exchange` says.
     exchange: how the slices sum their gradients. "reduce_scatter" (the
-        default): each slice sums its own shards, cuts the sum into one
-        chunk per live slice, each chunk is summed by its owner and every
-        host gathers the sums, so a host sends and takes in about
+        default): a reduce-scatter and an all-gather, a host moving about
         2(n-1)/n of its gradient per step, as a ring all-reduce does.
-        "direct": every apply takes every slice's gradients (a tree of
-        fan-in 8 above 8 shards): n-1 gradients per host. Same results,
-        bitwise, at one shard per slice (docs/concepts.md, "The exchange").
+        "direct": every apply takes every slice's gradients (n-1 per host).
+        Same results, bitwise, at one shard per slice (docs/concepts.md).
     exchange_dtype: None (the default): gradients cross slices in their
-        own dtype (float32 for float32 params). "bfloat16" halves the bytes;
-        the owners still sum in float32. The loss moves by bfloat16's
-        rounding of each slice's gradient (docs/benchmarks.md measures it).
-    one_slice_program: how a slice that computes every shard of its step
-        (a one-slice run; a DiLoCo replica's inner step) runs it on its
-        devices (worker/device_step.py): "one", one program (the gradients,
-        their sum, the update), as a plain JAX step, at plain JAX's device
-        memory; "update_apart", the update a program of its own, as every
-        other path runs it, holding the mean gradient between the two (one
-        gradient's memory more), so that the state is bitwise the one any
-        number of slices makes; "auto" (the default): "one" on an
-        accelerator, "update_apart" on CPU (docs/performance.md). The
-        survivor of a larger run sums on its devices with the programs
-        the run has compiled, update apart, whatever this says.
+        own dtype. "bfloat16" halves the bytes; the owners sum in float32
+        (docs/benchmarks.md measures the loss's move).
+    one_slice_program: "auto", "one", "update_apart" (docs/configuration.md).
     enable_diloco, diloco_sync_period, diloco_outer_lr,
         diloco_outer_momentum: DiLoCo, by MaxText's names and defaults
         (False, 36, 0.3, 0.9): each slice a replica training alone on its
@@ -435,8 +420,8 @@ class ElasticConfig:
                                   "(each group computes its own range of shards); set 0 to use 'shrink'")
         if self.exchange not in EXCHANGES:
             raise ConfigError("exchange", f"unknown exchange {self.exchange!r}; use one of {EXCHANGES}")
-        if self.one_slice_program not in STEP_PROGRAMS:
-            raise ConfigError("one_slice_program", f"must be one of {STEP_PROGRAMS}, got {self.one_slice_program!r}")
+        if self.one_slice_program not in ("auto", "one", "update_apart"):
+            raise ConfigError("one_slice_program", f"use 'auto', 'one' or 'update_apart', not {self.one_slice_program!r}")
         if self.exchange_dtype not in EXCHANGE_DTYPES:
             raise ConfigError("exchange_dtype", f"must be one of {EXCHANGE_DTYPES}, got {self.exchange_dtype!r}")
         if self.exchange_dtype is not None and (self.exchange != "reduce_scatter" or self.slices_per_leader):
