@@ -12,6 +12,16 @@ the outer Nesterov step (lr 0.3, momentum 0.9) carries each difference
 on, so 12 steps bring them to about 1e-5 (24 to 1.5e-4). A run with
 failures must equal the failure-free run bitwise: same program, same
 order of every sum.
+
+One kind of leaf is held to a looser bound: an attention layer's key
+bias. Softmax is unchanged by a shift shared by a query's scores, so
+that bias's gradient is zero in exact arithmetic and what each program
+computes for it is rounding noise; Adam divides that noise by its own
+root mean square, so both sides move the bias by up to the learning
+rate (3e-3) a step in directions of their own. Measured: up to 2.1e-4
+apart after 20 steps where every other leaf is within 2.4e-7 (a
+replacement joining at step 16 instead of 12 was enough to cross 2e-4).
+Such a leaf is checked to stay within a tenth of one step's bound.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from ray_elastic import ElasticTrainer
 
 LOSS_RTOL = 1e-5
 PARAM_ATOL = 2e-4
+NOISE_LEAF_ATOL = 3e-4
 
 
 def fit(factory, config, steps: int, **kw):
@@ -38,8 +49,18 @@ def close(trainer, report, reference) -> None:
     """The run's losses and final params against the reference loop's."""
     params, losses = reference
     np.testing.assert_allclose(report.losses, losses, rtol=LOSS_RTOL)
-    for a, b in zip(jax.tree.leaves(trainer.final_params()), jax.tree.leaves(params)):
-        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
+    ours = jax.tree_util.tree_flatten_with_path(trainer.final_params())[0]
+    assert len(ours) == len(jax.tree.leaves(params))
+    for (path, a), b in zip(ours, jax.tree.leaves(params)):
+        atol = NOISE_LEAF_ATOL if _zero_gradient(path) else PARAM_ATOL
+        np.testing.assert_allclose(a, b, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+
+def _zero_gradient(path) -> bool:
+    """Whether a leaf is an attention key bias (its gradient is zero in
+    exact arithmetic: see the module's docstring)."""
+    names = [getattr(k, "key", None) for k in path]
+    return names[-2:] == ["key", "bias"]
 
 
 def bitwise_equal(a, b) -> bool:
