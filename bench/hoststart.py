@@ -66,11 +66,14 @@ def one_run(variant: str) -> dict:
             "replacement_s": marks["replacement"], "total_s": total}
 
 
-def run(cluster, runs: int = 3) -> dict:
+def run(cluster, runs: int = 3, warm_up: bool = True) -> dict:
+    """`warm_up=False` skips the first run (the smoke test's: its figures
+    are not compared, and both variants still run whole)."""
     from bench.common import ensure_nodes
 
     ensure_nodes(cluster, SLICES * HOSTS)
-    one_run("default")  # fills JAX's cache and the hosts' folder: left out
+    if warm_up:
+        one_run("default")  # fills JAX's cache and the hosts' folder: left out
     rows = []
     for r in range(runs):
         for variant in VARIANTS:
