@@ -176,11 +176,17 @@ def _checkpoint(runs: list) -> list:
 
 
 def _equal(v: dict) -> list:
-    one = next((r["losses"] for r in v.get("one_slice", []) if "error" not in r), None)
+    """Each one-slice variant's losses against two slices', bit for bit
+    (the update-apart program is the one meant to be bitwise any slice
+    count's; the one program is plain JAX's math to rounding)."""
     two = next((r["losses"] for r in v.get("two_slices", []) if "error" not in r), None)
-    if one is None or two is None:
-        return []
-    return ["", f"one slice against two, losses bitwise equal: {one == two}"]
+    lines = []
+    for name in ("one_slice_apart", "one_slice"):
+        one = next((r["losses"] for r in v.get(name, []) if "error" not in r), None)
+        if one is not None and two is not None:
+            same = sum(a == b for a, b in zip(one, two))
+            lines.append(f"{name} against two_slices, losses bitwise equal: {one == two} ({same} of {len(two)} steps)")
+    return [""] + lines if lines else []
 
 
 def _device(v: dict) -> str:

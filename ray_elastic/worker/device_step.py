@@ -1,5 +1,5 @@
-"""A slice's step on its devices where it is the run's only slice,
-computing every shard: each shard's
+"""A slice's step on its devices where it is the run's only slice (or a
+DiLoCo replica taking an inner step), computing every shard: each shard's
 gradient, their sum in the exchange plan's order and the division by the
 step's weight in one program, and the optimizer's update either in the
 same program or in the update program every other path runs

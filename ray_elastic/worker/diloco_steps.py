@@ -17,8 +17,7 @@ import numpy as np
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.dispatch.outer_spec import OuterSpec, fragment_leaves
 from ray_elastic.worker.host_exchange import first_copy
-from ray_elastic.errors import NonFiniteLoss
-from ray_elastic.worker.reduction import divided, step_values
+from ray_elastic.worker.reduction import divided
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.transfer import device_array
 
@@ -38,8 +37,6 @@ class DilocoSteps:
         state; nothing crosses slices. Returns the step's metrics (those of
         the last inner step when `step` is already taken). The caller holds
         the state's lock."""
-        import jax
-
         held = self._held
         done = self._taken_or_ready(step, "for inner step")
         if done is not None:
@@ -53,24 +50,9 @@ class DilocoSteps:
         t0 = time.perf_counter()
         if self.delay_s:
             time.sleep(self.delay_s)
-        # Summed in shard order on the devices, divided and applied there:
-        # the same programs and eager operations whatever the platform.
-        layout, program = self._layout, self._layout.program
-        acc, values = None, []
-        for shard, (total, weight, aux, _, g) in self._shard_grads(step, tuple(shards)):
-            acc = g if acc is None else jax.tree.map(jax.numpy.add, acc, g)
-            values.append((total, weight, aux))
-        fetched = jax.device_get([jax.tree.map(first_copy, v) for v in values])  # the step's one wait
-        values = step_values({"loss": {s: float(t) for s, (t, _, _) in zip(shards, fetched)},
-                              "weight": {s: float(w) for s, (_, w, _) in zip(shards, fetched)},
-                              "aux": {s: {k: float(v) for k, v in a.items()} for s, (_, _, a) in zip(shards, fetched)}},
-                             program.aux)
-        if not math.isfinite(values.loss) and program.post_update is None:
-            raise NonFiniteLoss(step, values.loss)
-        weight = device_array(np.float32(values.weight), layout.replicated)
-        mean = jax.tree.map(lambda a: a / weight, acc)
-        scalars = {k: device_array(np.float32(v), layout.replicated) for k, v in {"loss": values.loss, **values.aux}.items()}
-        held.advance(*self._compiled.update(held.params, held.opt_state, mean, None, scalars))
+        mine = tuple(sorted(shards))  # summed in shard order on the devices, in the step's program(s)
+        _, values = self._run_fused(step, mine, (tuple(range(len(mine))),), 2,
+                                    self._one_program(spec.step_program))
         t1 = time.perf_counter()
         self._exchange.spans.add("compute", t0, t1)
         metrics = {"step": step + 1, "loss": values.loss, "shards": values.shards, "aux": values.aux,
