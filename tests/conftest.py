@@ -152,6 +152,19 @@ def gcs_outage_fails_fast(monkeypatch):
     monkeypatch.setattr(gcsfs.retry, "asyncio", types.SimpleNamespace(**{**vars(asyncio), "sleep": short_sleep}))
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items):
+    """A module that defines `item_order(item)` has its tests run sorted by
+    it (stably), in the places its tests had."""
+    places: dict = {}
+    for i, item in enumerate(items):
+        if callable(getattr(getattr(item, "module", None), "item_order", None)):
+            places.setdefault(item.module, []).append(i)
+    for module, where in places.items():
+        for i, item in zip(where, sorted((items[i] for i in where), key=module.item_order)):
+            items[i] = item
+
+
 # The modules whose runs mostly share a slice shape, one test after
 # another: there a run that completes keeps its slices for the next
 # (ElasticConfig.keep_workers, cluster/kept_workers.py), which takes them

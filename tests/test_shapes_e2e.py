@@ -11,17 +11,18 @@ For each shape, one run under pause (2 slices, the example LM, small):
   is committed before the slice is taken out.
 Then two cold starts from its checkpoints:
 - onto the same topology under resize, from step 3 (written before the
-  failures), with a node removed at step 4 at each phase of a step (its
-  gradients, the reduction, the apply): no step is redone, and the run
-  ends bitwise equal to the pause run that had the kill and the drain;
+  failures), with a node removed at step 4 in a phase of a step (its
+  gradients, the reduction, the apply; REMOVED_IN): no step is redone,
+  and the run ends bitwise equal to the pause run that had the kill and the drain;
 - onto another topology (one slice of other hosts x devices, the same
   layout and global batch), from step 6: its losses follow the run's
   (rtol 1e-5: another device count sums the same numbers in another
   order), and its own final save commits.
 
 The default run covers every scenario on the one-host sharded shapes
-(DEFAULT); the whole cross product, 11 shapes and 33 removals, is
-`-m slow` (half a minute to a minute and a half per shape here).
+(DEFAULT); the other shapes, and 18 removals (every layout in every
+phase: REMOVED_IN), are `-m slow` (half a minute to a minute and a half
+per shape here).
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ import pytest
 
 from ray_elastic import CheckpointConfig, CpuSlice, ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.checkpoint import CheckpointStore
-from tests.run_checks import assert_no_failures
 
 pytestmark = pytest.mark.cluster
 
@@ -56,11 +56,34 @@ SHAPES = [  # (hosts per slice, devices per host, layout)
 DEFAULT = {(1, 2, "fsdp_tp")}
 OTHER_TOPOLOGY = {(1, 1): (1, 2), (1, 2): (2, 1), (2, 1): (1, 2), (2, 2): (1, 2)}
 PHASES = ("grads", "reduce", "apply")
-REMOVALS = [(shape, phase) for shape in SHAPES for phase in PHASES]
+# A phase's path is what the survivor finishes: the lost slice's shards
+# (grads), the tree's sums (reduce), its hosts' all-or-none apply (apply).
+# Every layout goes through every phase, and every shape through one at
+# least; two-host sharded slices, whose survivors' loads met the dead
+# peer's collectives in the reduction and the apply, through both; 2x2,
+# the shape with the most of each, through all three. The 15 other
+# (shape, phase) pairs take a path one of these takes in the same layout.
+REMOVED_IN = {
+    (1, 1, "replicated"): ("grads",), (1, 1, "fsdp"): ("reduce",),
+    (1, 2, "replicated"): ("apply",), (1, 2, "fsdp"): ("grads",), (1, 2, "fsdp_tp"): ("apply",),
+    (2, 1, "replicated"): ("reduce",), (2, 1, "fsdp"): ("reduce", "apply"), (2, 1, "fsdp_tp"): ("reduce", "apply"),
+    (2, 2, "replicated"): ("grads", "apply"), (2, 2, "fsdp"): PHASES, (2, 2, "fsdp_tp"): PHASES,
+}
+REMOVALS = [(shape, phase) for shape in SHAPES for phase in REMOVED_IN[shape]]
 # And a two-host sharded shape: after a cold start (no snapshot to reload),
 # the other slice's node lost in the apply must not fail the survivor,
 # whose hosts apply the step all or none (dispatch/applies.py).
-DEFAULT_REMOVALS = {((1, 2, "fsdp_tp"), "apply"), ((2, 1, "fsdp"), "apply")}  # the other phases: -m slow
+DEFAULT_REMOVALS = {((1, 2, "fsdp_tp"), "apply"), ((2, 1, "fsdp"), "apply")}  # the others: -m slow
+
+
+def item_order(item) -> int:
+    """The order tests/conftest.py runs this module's tests in: a shape's
+    one after another (its pause run, its replays, its removals, then its
+    cold start onto another topology), so that each run starts in the
+    slices the run before kept (KEPT_MODULES) instead of ending them for
+    another shape's and starting its own."""
+    params = item.callspec.params
+    return SHAPES.index(params["shape"] if "shape" in params else params["case"][0])
 
 
 def _params(cases, default):
@@ -146,7 +169,7 @@ def test_saves_restores_and_failures(shape, nodes, tmp_path_factory, runs):
     # step in flight (nothing redone). The drain: saved, then retired.
     kinds = [(f.kind, f.slice, f.steps_rewound) for f in report.failures]
     assert kinds == [("process_died", 1, 0), ("preempted", 0, 0)], kinds
-    assert report.failures[0].step == KILL_AT
+    assert (report.failures[0].step, report.failures[0].host) == (KILL_AT, hosts - 1)
     assert len(report.losses) == STEPS  # every step's loss, the one the failure hit too
     grow = _events(report, "grow")[0]
     if report.failures[0].compute_redone == 0.5:
@@ -184,23 +207,25 @@ CORRUPT_AT = 5
 # slice's fingerprints, made within the apply, are compared every step in
 # test_sharded_e2e's failure-free run, and 2x1-fsdp here names host 1 (-m slow).
 @pytest.mark.parametrize("shape", _params(SHAPES, {(1, 2, "fsdp_tp")}))
-def test_two_slices_that_differ_are_told_apart_by_their_replays(shape, nodes):
+def test_two_slices_that_differ_are_told_apart_by_their_replays(shape, nodes, tmp_path_factory, runs):
     """A bit flipped once in the state of the last host of slice 1, two
     slices, no spare: each slice replays alone from the verified snapshot,
     every host its own part (a sharded slice's hosts hold different
     blocks), and the host that went wrong is named, evicted, and the run
-    ends bitwise equal to the same run without the fault. A replicated
-    host of two devices needs no replay: the bit is flipped on one
-    device's copy, so its devices disagree and name it at the check."""
+    ends bitwise equal to the shape's pause run (the same math after any
+    recovery, as the removals below check too). A replicated host of two
+    devices needs no replay: the bit is flipped on one device's copy, so
+    its devices disagree and name it at the check.
+
+    No failure-free run of its own: its fingerprints are compared every
+    step of this run, and a false alarm at any of them would add a
+    failure to the one asserted."""
     hosts, devices, layout = shape
+    ref = _pause_run(shape, nodes, tmp_path_factory, runs)
     nodes(2 * hosts)
     # Snapshots every step: one of the verified step is there to replay from.
     config = _config(hosts, devices, policy="resize", min_slices=1, state_check_every=1, snapshot_every=1,
                      snapshot_every_replicated=1)
-    ref = ElasticTrainer(_factory(layout), config, STEPS, keep_final_state=True)
-    ref_report = ref.fit()
-    assert ref_report.steps_completed == STEPS
-    assert_no_failures(ref_report)
     faults = (Fault("corrupt", 1, CORRUPT_AT, host=hosts - 1, target="state"),)
     trainer = ElasticTrainer(_factory(layout), config, STEPS, faults=faults, keep_final_state=True)
     report = trainer.fit()
@@ -215,27 +240,7 @@ def test_two_slices_that_differ_are_told_apart_by_their_replays(shape, nodes):
         assert tie["by"] == "replay" and tie["named"] == [[1, hosts - 1]], [e for e in report.events if e["event"] in ("tie_break", "diverged", "detected", "restore", "replace")]
     assert [(f.kind, f.slice) for f in report.failures] == [("corrupted", 1)]
     assert report.steps_completed == STEPS
-    _assert_bitwise(trainer.final_state, ref.final_state)
-
-
-@pytest.mark.parametrize("shape", _params(SHAPES, set()))  # sharded_e2e cold-starts onto other hosts by default
-
-def test_cold_start_onto_another_topology(shape, nodes, tmp_path_factory, runs):
-    """From step 6 onto one slice of other hosts x devices (it computes
-    every shard of the global batch): the losses follow the run's."""
-    hosts, devices, layout = shape
-    run = _pause_run(shape, nodes, tmp_path_factory, runs)
-    h2, d2 = OTHER_TOPOLOGY[(hosts, devices)]
-    start = 2 * SAVE_EVERY
-    nodes(h2)
-    resumed = ElasticTrainer(_factory(layout), _config(h2, d2, num_slices=1), STEPS + 2,
-                             checkpoint=CheckpointConfig(_only_step(run["path"], start, tmp_path_factory),
-                                                         save_every=0, save_at_end=True))
-    report = resumed.fit()
-    assert _events(report, "restore")[0]["step"] == start and not report.failures
-    np.testing.assert_allclose(report.losses[start:STEPS], run["report"].losses[start:STEPS], rtol=1e-5)
-    # Its own final save, from the new topology, commits too.
-    assert CheckpointStore(resumed._ckpt.config.path).latest_committed() == STEPS + 2
+    _assert_bitwise(trainer.final_state, ref["state"])
 
 
 def _only_step(path: str, step: int, tmp_path_factory) -> str:
@@ -286,3 +291,22 @@ def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, clust
     assert len(report.losses) == STEPS
     _assert_bitwise(trainer.final_state, run["state"])
     np.testing.assert_array_equal(report.losses[SAVE_EVERY:], run["report"].losses[SAVE_EVERY:])
+
+
+@pytest.mark.parametrize("shape", _params(SHAPES, set()))  # sharded_e2e cold-starts onto other hosts by default
+def test_cold_start_onto_another_topology(shape, nodes, tmp_path_factory, runs):
+    """From step 6 onto one slice of other hosts x devices (it computes
+    every shard of the global batch): the losses follow the run's."""
+    hosts, devices, layout = shape
+    run = _pause_run(shape, nodes, tmp_path_factory, runs)
+    h2, d2 = OTHER_TOPOLOGY[(hosts, devices)]
+    start = 2 * SAVE_EVERY
+    nodes(h2)
+    resumed = ElasticTrainer(_factory(layout), _config(h2, d2, num_slices=1), STEPS + 2,
+                             checkpoint=CheckpointConfig(_only_step(run["path"], start, tmp_path_factory),
+                                                         save_every=0, save_at_end=True))
+    report = resumed.fit()
+    assert _events(report, "restore")[0]["step"] == start and not report.failures
+    np.testing.assert_allclose(report.losses[start:STEPS], run["report"].losses[start:STEPS], rtol=1e-5)
+    # Its own final save, from the new topology, commits too.
+    assert CheckpointStore(resumed._ckpt.config.path).latest_committed() == STEPS + 2

@@ -108,23 +108,7 @@ def test_snapshots_off_loses_only_what_memory_held(nodes, lm_factory):
     assert any(e["event"] == "rewind" and e["to_step"] == 0 for e in report.events)
 
 
-@pytest.mark.slow  # a variant of a default-run test (README: Tests)
-def test_multi_host_multi_device_slices(nodes, lm_factory, two_slice_ref):
-    """Two slices of two hosts with two devices each: a dead host fails its
-    slice, the whole slice is rebuilt (a new JAX distributed group), and the
-    run ends where a single-host run of the same seed ends."""
-    ref, ref_report = two_slice_ref
-    nodes(4)
-    config = ElasticConfig(
-        num_slices=2, slice=CpuSlice(hosts=2, devices_per_host=2), policy="pause", step_deadline_floor_s=5.0,
-    )
-    trainer, report = _run(lm_factory, config, faults=(Fault("kill", 1, FAIL_AT, host=1),))
-    assert report.steps_completed == STEPS
-    f = report.failures[0]
-    assert (f.kind, f.slice, f.host) == ("process_died", 1, 1)
-    grow = [e for e in report.events if e["event"] == "grow"]
-    assert grow and grow[0]["joined"] == [1]
-    # Same math on a different mesh: equal up to float reduction order.
-    _assert_same_state(trainer.final_state, ref.final_state, exact=False)
-    np.testing.assert_allclose(report.losses, ref_report.losses, rtol=1e-3)
-    nodes(2)
+# Slices of two hosts x two devices, a host's worker killed and its slice
+# rebuilt in a new JAX group: test_shapes_e2e's
+# test_saves_restores_and_failures[2x2-*]; the same state on another
+# topology with the same losses: its test_cold_start_onto_another_topology.
