@@ -83,3 +83,38 @@ def test_an_accelerators_snapshot_raveled_on_the_host_is_the_devices_ravel():
     mine = host_ravel(jax.tree.leaves(state))
     assert mine.dtype == flat.dtype and np.array_equal(mine, flat)
     assert not np.array_equal(host_ravel(jax.tree.leaves((state[1], state[0]))), flat)  # the order counts
+
+
+def test_a_snapshot_is_copied_on_the_devices_only_where_the_copy_fits():
+    """worker/transfer.py's rule, with a TPU v5e's figures (16.9 GB): the
+    341M example LM holds 4.3 GB and its step takes 8.9 GB of scratch, so
+    a 4.1 GB copy does not fit (the copy once made that step fail, out of
+    memory); at 152M (2.0 GB held, 1.8 GB copy, ~4.4 GB scratch) it does.
+    A device that does not tell its memory gets no copy."""
+    from ray_elastic.worker.transfer import device_copy_fits
+
+    v5e = 16.9e9
+    assert not device_copy_fits({"bytes_limit": v5e, "bytes_in_use": 4.31e9}, int(4.1e9), int(8.88e9))
+    assert device_copy_fits({"bytes_limit": v5e, "bytes_in_use": 2.03e9}, int(1.83e9), int(4.4e9))
+    assert not device_copy_fits(None, 1, 0)
+    assert not device_copy_fits({}, 1, 0)
+    # The margin: 5% of the device's memory stays free.
+    assert device_copy_fits({"bytes_limit": 100, "bytes_in_use": 0}, 45, 50)
+    assert not device_copy_fits({"bytes_limit": 100, "bytes_in_use": 0}, 46, 50)
+
+
+def test_a_programs_footprint_is_its_scratch_and_its_new_outputs():
+    """device_step.footprint: a compiled program's memory beyond its
+    arguments; an update donating its input adds no output of its own."""
+    import jax
+
+    from ray_elastic.worker.device_step import footprint
+
+    x = jax.numpy.ones((256, 256), jax.numpy.float32)
+    fresh = jax.jit(lambda a: a * 2).lower(x).compile()
+    donated = jax.jit(lambda a: a * 2, donate_argnums=0).lower(x).compile()
+    assert footprint((fresh,)) >= x.nbytes
+    assert footprint((donated,)) < footprint((fresh,))
+    assert footprint((fresh, donated)) == footprint((fresh,))
+    assert footprint((fresh, object())) is None  # no memory analysis: unknown
+    assert footprint(()) is None

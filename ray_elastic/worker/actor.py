@@ -276,7 +276,7 @@ class SliceWorker:
         self._steps = SliceSteps(layout, compiled, self._held, slice_id=self.slice_id, host=self.host,
                                  seed=self._seed, num_shards=self._num_shards, exchange=self._exchange,
                                  notice=self._notice)
-        self._transfer = StateTransfer(layout, compiled, self._held, self.slice_id, self.host)
+        self._transfer = StateTransfer(layout, compiled, self._held, self.slice_id, self.host, self._steps.scratch_bytes)
         self._checkpoints = HostCheckpointing(layout, self._transfer, self._held, self.host, self.hosts)
 
     # -- one step, in two phases -------------------------------------------

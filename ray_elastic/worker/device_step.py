@@ -32,13 +32,13 @@ update apart is not run) and the apply raises, as on the other paths.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from ray_elastic.program import TrainProgram
 from ray_elastic.worker.reduction import float32_values
 from ray_elastic.worker.step_math import grad_function, update_function
 
-__all__ = ["compile_fused", "fused_function", "plan_positions"]
+__all__ = ["compile_fused", "footprint", "fused_function", "plan_positions"]
 
 
 def plan_positions(plan) -> tuple:
@@ -164,3 +164,18 @@ def compile_fused(layout: Any, compiled: Any, seed: int, num_shards: int, blocks
                           out_shardings=outs).lower(
             layout.params_spec(), layout.opt_spec(), (batch,) * n, scalar(np.int32), (scalar(np.int32),) * n)
     return compile_fn(lowered)
+
+
+def footprint(programs: tuple) -> Optional[int]:
+    """The most memory any of the compiled `programs` takes on a device
+    while it runs, beyond its arguments: its scratch and the outputs not
+    aliased to a donated input (XLA's memory analysis); None where a
+    program or the backend does not say."""
+    sizes = []
+    for fn in programs:
+        try:
+            m = fn.memory_analysis()
+            sizes.append(int(m.temp_size_in_bytes) + int(m.output_size_in_bytes) - int(m.alias_size_in_bytes))
+        except Exception:  # noqa: BLE001 - no analysis (an older backend, a plain function): unknown
+            return None
+    return max(sizes) if sizes else None

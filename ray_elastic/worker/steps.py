@@ -24,7 +24,7 @@ import numpy as np
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.worker.batches import BatchReader
 from ray_elastic.worker.diloco import OuterState
-from ray_elastic.worker.device_step import compile_fused, plan_positions
+from ray_elastic.worker.device_step import compile_fused, footprint, plan_positions
 from ray_elastic.worker.device_sums import TOTAL, DeviceSums
 from ray_elastic.worker.diloco_steps import DilocoSteps
 from ray_elastic.worker.exchange_stats import ExchangeStats
@@ -424,6 +424,11 @@ class SliceSteps(DilocoSteps):
         self._grads_time = (step, waited + t1 - t0, len(shards))
         self._exchange.spans.add("compute", t0, t1)
         return total, values
+
+    def scratch_bytes(self) -> Optional[int]:
+        """The most memory a device gives any of the step's compiled
+        programs while it runs (device_step.footprint), None if unknown."""
+        return footprint((self._compiled.grad, self._compiled.update, *self._fused.values()))
 
     def _one_program(self, mode: str) -> bool:
         """Whether a one-slice run's step or a DiLoCo inner step runs as

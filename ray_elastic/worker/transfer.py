@@ -21,8 +21,13 @@ new state's arrays, or dispatches the replicated ravel) and
 arrays, which Ray then copies into the object store while the next step's
 gradients compute). A replicated ravel is a buffer of its own; a sharded
 host keeps the state's own arrays on CPU, whose views are the buffers
-themselves, and copies them on its devices first on an accelerator, whose
-host copy takes longer than a step. Where the snapshot holds the state's
+themselves. On an accelerator the host copy takes longer than a step
+(4.1 GB at 2.1 GB/s on a TPU v5e), so the state is copied on the devices
+first where their memory holds that copy beside the step's own
+(`device_copy_fits`); where it does not (the 341M example LM on a 16 GB
+v5e: 4.3 GB held, 8.9 GB of step scratch), the snapshot keeps the
+state's own arrays, their host copies started at once, and the next
+apply waits for what is left of them. Where the snapshot holds the state's
 own arrays, the next apply, which would donate them to its update, makes
 the views itself if the snapshot thread has not yet (`keep_begun`): XLA
 does not donate a buffer a view still reads (it copies it instead), so
@@ -44,7 +49,12 @@ from ray_elastic.worker.setup import CompiledStep, StateLayout
 from ray_elastic.worker.shards import from_local_blocks, local_blocks
 from ray_elastic.worker.state import HeldState
 
-__all__ = ["host_ravel", "BegunSnapshot", "StateTransfer", "device_array"]
+__all__ = ["host_ravel", "BegunSnapshot", "StateTransfer", "device_array", "device_copy_fits"]
+
+# Room kept free beyond the copy and the step's scratch, as a share of a
+# device's memory: XLA's allocator fragments, and a program's reservation
+# is a little more than its memory analysis says.
+COPY_MARGIN = 0.05
 
 
 def device_array(value: Any, sharding: Any):
@@ -83,9 +93,11 @@ class StateTransfer:
     """The held state of one host, out as snapshots and copies, and in
     from them."""
 
-    def __init__(self, layout: StateLayout, compiled: CompiledStep, held: HeldState, slice_id: int, host: int):
+    def __init__(self, layout: StateLayout, compiled: CompiledStep, held: HeldState, slice_id: int, host: int,
+                 scratch: Callable[[], Optional[int]] = lambda: None):
         self._layout, self._compiled, self._held = layout, compiled, held
         self._slice_id, self._host = slice_id, host
+        self._scratch = scratch  # the step programs' largest new allocation on a device (None: unknown)
         self._begun: Optional[BegunSnapshot] = None  # the newest snapshot begun, not yet finished
 
     def begin_snapshot(self) -> None:
@@ -99,28 +111,43 @@ class StateTransfer:
         if self._layout.sharded:
             arrays = (jax.tree.leaves(held.params), jax.tree.leaves(held.opt_state))
             # On CPU the host's views are the device buffers themselves (no
-            # copy), and XLA does not donate a buffer a view reads. An
-            # accelerator's must be copied to the host, which takes longer
-            # than a step (4.1 GB at 2.1 GB/s on a TPU v5e): a copy on the
-            # devices first (at their memory's speed) leaves the state free
-            # for the next update, and the host copy off the step's path.
-            own = _platform(arrays[0]) != "cpu"
+            # copy), and XLA does not donate a buffer a view reads.
+            own = _platform(arrays[0]) != "cpu" and self._copy_fits(arrays[0] + arrays[1])
             if own:
                 arrays = _device_copy(arrays)
+            elif _platform(arrays[0]) != "cpu":
+                _start_host_copies(arrays[0] + arrays[1])
             make = lambda a: {**local_blocks(a[0], tag="p"), **local_blocks(a[1], tag="o")}  # noqa: E731
         elif _platform(jax.tree.leaves(held.params)) != "cpu":
             # An accelerator's ravel would hold a second flat state and the
-            # concatenation's temporaries beside the step's own memory (at
-            # 341M parameters on a 16 GB TPU v5e, more than was left): each
-            # leaf is copied on the devices instead, and raveled on the host
-            # as the snapshot thread copies it out.
-            arrays = _device_copy(jax.tree.leaves((held.params, held.opt_state)))
-            make, own = host_ravel, True
+            # concatenation's temporaries beside the step's own memory: the
+            # leaves are copied on the devices instead where that fits (else
+            # kept, their host copies started), and raveled on the host as
+            # the snapshot thread copies them out.
+            arrays = jax.tree.leaves((held.params, held.opt_state))
+            own = self._copy_fits(arrays)
+            if own:
+                arrays = _device_copy(arrays)
+            else:
+                _start_host_copies(arrays)
+            make = host_ravel
         else:
             arrays = self._compiled.flatten(held.params, held.opt_state)  # dispatched, a fresh buffer
             make = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731
             own = True
         self._begun = BegunSnapshot(held.step, arrays, make, own)
+
+    def _copy_fits(self, leaves: list) -> bool:
+        """Whether every device of this host holds a copy of its part of
+        `leaves` beside what it holds now and the step's scratch."""
+        scratch = self._scratch()
+        if scratch is None:
+            return False
+        per_device: dict = {}
+        for a in leaves:
+            for shard in a.addressable_shards:
+                per_device[shard.device] = per_device.get(shard.device, 0) + shard.data.nbytes
+        return all(device_copy_fits(d.memory_stats(), n, scratch) for d, n in per_device.items())
 
     def keep_begun(self) -> None:
         """The held state is about to be replaced (by an apply donating
@@ -244,6 +271,25 @@ def host_ravel(leaves: list) -> np.ndarray:
         out[at:at + p.size] = p
         at += p.size
     return out
+
+
+def device_copy_fits(stats: Optional[dict], copy_bytes: int, scratch_bytes: int) -> bool:
+    """Whether a device whose memory is `stats` (its `memory_stats()`)
+    holds `copy_bytes` more beside the `scratch_bytes` a step's program
+    allocates while it runs, with COPY_MARGIN of its memory to spare.
+    False where the device does not say (a copy that does not fit fails
+    the next step; one not made only waits)."""
+    if not stats or "bytes_limit" not in stats or "bytes_in_use" not in stats:
+        return False
+    limit = int(stats["bytes_limit"])
+    return limit - int(stats["bytes_in_use"]) >= copy_bytes + scratch_bytes + COPY_MARGIN * limit
+
+
+def _start_host_copies(leaves: list) -> None:
+    """Start every leaf's copy to the host (their views then wait only
+    for what is left of them)."""
+    for a in leaves:
+        a.copy_to_host_async()
 
 
 def _platform(leaves) -> str:
