@@ -8,7 +8,7 @@ import pytest
 
 from ray_elastic import CheckpointConfig, ElasticConfig, ElasticTrainer, Fault
 from ray_elastic.control.diloco import Rounds
-from ray_elastic.dispatch.diloco_runner import replica_mean
+from ray_elastic.dispatch.calls import replica_mean
 from ray_elastic.errors import ConfigError
 
 
@@ -227,3 +227,102 @@ def test_a_joiner_whose_node_went_is_replaced_away_from_it():
     rounds.keep_round_states({0: [("r0", ("a",))], 1: [("r1", ("b",))]})
     assert rounds.join([2], 6, members, 10.0) is False
     assert backend.started == [(2, True, ("gone",))] and members.coming == {2} and 2 not in members.live
+
+
+class _RecomputingBackend(_JoinBackend):
+    """A backend whose joiner recomputes its replica's steps, each with a
+    loss of its own: step k's is 10 + k."""
+
+    def catch_up(self, s, donor, steps, shards, deadline_s):
+        self.started.append(("caught up", s, tuple(steps)))
+        return {k: {(s, 0): {"loss": 10.0 + k, "aux": {"acc": 0.5}}} for k in steps}
+
+    def hosts(self, s):
+        return [{"node_id": "n"}]
+
+
+def _survivor(loss: float) -> dict:
+    return {(0, 0): {"loss": loss, "aux": {"acc": 0.25}}}
+
+
+def test_under_pause_the_step_a_replica_was_lost_in_reports_every_replicas_loss():
+    """Replica 1 (slice 1) is lost in inner step 5; replica 0 took it.
+    Held until the spare (slice 2) recomputes replica 1's steps 4 and 5,
+    the step's loss is then the mean of both replicas' in replica order:
+    the failure-free step's, bit for bit."""
+    from ray_elastic.checkpoint.snapshots import SnapshotStore
+    from ray_elastic.control.membership import Membership
+    from ray_elastic.dispatch.calls import StepResult
+
+    rounds = Rounds(ElasticConfig(num_slices=2, spare_slices=1, enable_diloco=True, diloco_sync_period=4), steps=12)
+    backend = _RecomputingBackend()
+    members = Membership(backend, SnapshotStore(), lambda *a, **k: None)
+    members.live, members.ready = {0}, {2}
+    rounds.round_start = 4
+    rounds.keep_round_states({0: [("r0", ("n",))], 1: [("r1", ("n",))]})
+    survivors, held = rounds.survivors_step(5, StepResult(_survivor(0.1), {}), paused=True)
+    assert held and survivors.loss == 0.1 and survivors.aux == {"acc": 0.25}
+    assert rounds.recomputed() is None  # replica 1's loss is not in yet
+    assert rounds.join([2], 6, members, 10.0)
+    assert ("caught up", 2, (4, 5)) in backend.started
+    full = rounds.recomputed()
+    free = replica_mean({(0, 0): {"loss": 0.1, "aux": {"acc": 0.25}}, (1, 0): {"loss": 15.0, "aux": {"acc": 0.5}}},
+                        {0: 0, 1: 1})
+    assert full.loss == free[(0, 0)]["loss"] == (0.1 + 15.0) / 2 and full.aux == {"acc": 0.375}
+    assert rounds.recomputed() is None  # reported once
+
+
+def test_under_resize_the_step_a_replica_was_lost_in_reports_the_survivors_mean():
+    """No one recomputes a replica lost under resize: its step's loss is
+    the mean over the replicas left, those its round's outer step averages;
+    a replica that took over a lost one's id keeps its own place in the order."""
+    from ray_elastic.dispatch.calls import StepResult
+
+    rounds = Rounds(ElasticConfig(num_slices=3, batch_shards=3, enable_diloco=True, policy="resize"), steps=8)
+    rounds.replicas = {0: 0, 1: 1, 4: 2}
+    metrics = {(4, 0): {"loss": 3.0, "aux": {}}, (0, 0): {"loss": 1.0, "aux": {}}}
+    result, held = rounds.survivors_step(5, StepResult(metrics, {}), paused=False)
+    assert not held and result.loss == 2.0 and result.metrics[(4, 0)]["replica_loss"] == 3.0
+    assert rounds.recomputed() is None
+
+
+def test_a_held_step_is_forgotten_when_the_run_goes_back_before_it():
+    from ray_elastic.checkpoint.snapshots import SnapshotStore
+    from ray_elastic.control.membership import Membership
+    from ray_elastic.dispatch.calls import StepResult
+
+    rounds = Rounds(ElasticConfig(num_slices=2, spare_slices=1, enable_diloco=True, diloco_sync_period=4), steps=12)
+    rounds.round_start = 4
+    rounds.keep_round_states({0: [("r0", ("n",))], 1: [("r1", ("n",))]})
+    rounds.survivors_step(5, StepResult(_survivor(0.1), {}), paused=True)
+    rounds.restart(4)  # every replica lost: back to the round's start, step 5 taken again and reported then
+    members = Membership(_RecomputingBackend(), SnapshotStore(), lambda *a, **k: None)
+    members.live, members.ready = {0}, {2}
+    assert rounds.join([2], 6, members, 10.0)
+    assert rounds.recomputed() is None
+
+
+class _Heard:
+    def __init__(self):
+        self.steps: list = []
+
+    def on_step(self, step, metrics):
+        self.steps.append((step, metrics["loss"], metrics["acc"]))
+
+
+def test_a_held_report_goes_out_with_every_replicas_loss_or_as_it_is():
+    from ray_elastic.control.step_reports import StepReports
+    from ray_elastic.dispatch.calls import StepResult
+
+    heard = _Heard()
+    reports = StepReports([heard])
+    survivors = StepResult({(0, 0): {"loss": 1.0, "aux": {"acc": 0.25}}}, {})
+    reports.report(6, survivors, 0.5, 2, held=True)
+    assert reports.holding and heard.steps == []
+    reports.release(6, StepResult({(0, 0): {"loss": 2.0, "aux": {"acc": 0.5}}}, {}))
+    assert heard.steps == [(6, 2.0, 0.5)] and not reports.holding
+    reports.report(7, survivors, 0.5, 2, held=True)
+    reports.release(5)  # the run went back to step 5: step 7 is taken again, and reported then
+    reports.report(8, survivors, 0.5, 2, held=True)
+    reports.release(8)  # the run ended before the replacement joined: the survivors' loss
+    assert heard.steps == [(6, 2.0, 0.5), (8, 1.0, 0.25)]

@@ -21,7 +21,7 @@ from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, sh
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
 from ray_elastic.dispatch.calls import Call, Deadline
-from ray_elastic.dispatch.diloco_runner import DilocoRunner, replica_mean
+from ray_elastic.dispatch.diloco_runner import DilocoRunner
 from ray_elastic.dispatch.exchange import ExchangeSpec
 from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.dispatch.step_runner import StepResult, StepRunner
@@ -349,26 +349,24 @@ class RayBackend:
             out[s] = copies
         return out
 
-    def catch_up(self, slice_id: int, donor: int, steps: range, shards: tuple, deadline_s: float) -> None:
+    def catch_up(self, slice_id: int, donor: int, steps: range, shards: tuple, deadline_s: float) -> dict:
         """A joiner that loaded a replica's round-start state takes the
         round's global params and outer state from `donor` (unchanged
         since the round started) and recomputes the replica's inner
-        `steps`, each after the last."""
+        `steps`, each after the last: step -> its hosts' metrics."""
         live = self._live([slice_id, donor])
         wait = Deadline.after(self._clock(), deadline_s)
         # Its params are the round-start state's (under Streaming DiLoCo
         # not the global ones: only a fragment synchronized then).
         self.diloco.adopt([slice_id], donor, live, steps.start, wait, None if self.diloco.spec.streaming else "all")
-        self.diloco.catch_up(slice_id, live, steps, shards, wait)
+        return self.diloco.catch_up(slice_id, live, steps, shards, wait)
 
     def finish_step(self, partial: Any, slices: Sequence[int], takers: frozenset, deadline_s: float) -> StepResult:
         return self.runner.finish(partial, self._live(slices), takers, deadline_s)
 
     def applied(self, step: int, slices: Sequence[int]) -> Optional[StepResult]:
-        done = self.runner.applied(step, self._live(slices))
-        if done is not None and self.diloco is not None:  # the loss averaged over the replicas that took the step
-            done = StepResult(replica_mean(done.metrics, {s: s for s in slices}), {})
-        return done
+        # DiLoCo's: each host's own loss; the controller averages them over the replicas (control/diloco.py).
+        return self.runner.applied(step, self._live(slices))
 
     def load(self, slices: Sequence[int], source: Any, timeout_s: float) -> None:
         self.runner.drop_ahead()

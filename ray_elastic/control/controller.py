@@ -44,10 +44,10 @@ from ray_elastic.checkpoint.snapshots import SnapshotStore
 from ray_elastic.control.snapshotting import Snapshotting
 from ray_elastic.control.checking import Checks
 from ray_elastic.control.integrity import roll_back, spend_retry
-from ray_elastic.worker.gc_pauses import step_pauses
 from ray_elastic.checkpoint.state_forms import final_state
 from ray_elastic.control.seams import Seams
 from ray_elastic.control.diloco import Rounds
+from ray_elastic.control.step_reports import StepReports
 
 __all__ = ["Controller", "Seams"]  # Seams: control/seams.py
 
@@ -93,6 +93,7 @@ class Controller:
         # The recorder goes first, so every other callback's on_end sees a
         # complete report.
         self._callbacks: list[Callback] = [ReportRecorder(self.report), *callbacks]
+        self._reports = StepReports(self._callbacks)
         self._keep_final_state = keep_final_state
         self.final_state: Optional[dict] = None
         self._final_template = None  # a sharded final state's tree of shapes and dtypes
@@ -193,6 +194,7 @@ class Controller:
         finally:
             self._preemption.uninstall()
             self._outcome, self._error = outcome, error
+            self._reports.release(self.step)  # the run ends before a DiLoCo replacement joined: the survivors' loss
             self._event("end", steps=self.step, outcome=outcome, **({"error": error} if error else {}))
             if self._snapshots is not None:
                 self._snapshots.close()
@@ -320,6 +322,8 @@ class Controller:
                             else self.members.join(new, source)), source.kind
         if not joined:
             return False
+        if self._reports.holding:  # a DiLoCo step a replica was lost in: with every replica's loss
+            self._reports.release(self.step, self._rounds.recomputed())
         self._event("grow", joined=new, slices=sorted(self.members.live), spares=sorted(self.members.ready), step=self.step,
                     source=kind)
         return True
@@ -376,10 +380,11 @@ class Controller:
         self._complete_step(k, result, t_start)
 
     def _complete_step(self, k: int, result, t_start: float, recovered: bool = True,
-                       slices: Optional[int] = None) -> None:
+                       slices: Optional[int] = None, held: bool = False) -> None:
         """Step k is done: its snapshots, time and metrics; `recovered`:
         the open failures are over (not while paused for a replacement);
-        `slices`: how many computed it (default: the live ones)."""
+        `slices`: how many computed it (default: the live ones); `held`:
+        its report waits for a DiLoCo replacement's loss (step_reports.py)."""
         m = self.members
         self._preemption.record_step(result.metrics)
         t_end = self._clock()
@@ -391,8 +396,9 @@ class Controller:
         self._step_durations.append(t_end - t_start)
         self._found = self._checks.after_step(self.step, result.metrics, self._snapshots, sorted(m.ready), m.backend,
                                               self._deadline_s())
+        slices = len(m.live) if slices is None else slices
         if not recovered:
-            return self._report_step(result, t_end - t_start, slices)
+            return self._reports.report(self.step, result, t_end - t_start, slices, held)
         self._state = Running(fresh=False)
         for f in self._open:
             redone = float(f.steps_rewound) if f.compute_redone is None else f.compute_redone
@@ -403,15 +409,7 @@ class Controller:
             )
         self._open.clear()
         self._announce()
-        self._report_step(result, t_end - t_start, slices)
-
-    def _report_step(self, result, step_s: float, slices: Optional[int] = None) -> None:
-        live = len(self.members.live) if slices is None else slices
-        step_metrics = {"loss": result.loss, **result.aux, "slices": live, "step_s": step_s,
-                        **self._checks.timing(result.metrics)}
-        step_metrics.update(step_pauses(result.metrics))
-        for cb in self._callbacks:
-            cb.on_step(self.step, step_metrics)
+        self._reports.report(self.step, result, t_end - t_start, slices, held)
 
     # -- recovery -----------------------------------------------------------
 
@@ -460,10 +458,12 @@ class Controller:
         if in_flight and self.step == f.step + 1:  # the survivors had applied the step: it counts
             done = self.members.backend.applied(f.step, sorted(self.members.live))
             if done is not None:
-                last = self.step >= self.steps  # the run ends here: nothing to wait for
+                last, paused = self.step >= self.steps, isinstance(self._state, Waiting)  # last: nothing to wait for
+                # DiLoCo: averaged over the replicas; under pause reported once the replacement recomputed it (`_join`).
+                done, held = self._rounds.survivors_step(f.step, done, paused) if self._rounds.on else (done, False)
                 # Computed by every slice of the step, the lost one included.
-                self._complete_step(f.step, done, self._t_step, recovered=last or not isinstance(self._state, Waiting),
-                                    slices=self._step_slices)
+                self._complete_step(f.step, done, self._t_step, recovered=last or not paused, slices=self._step_slices,
+                                    held=held)
                 self._after_step()
         partial = f.partial
         if not (in_flight and partial is not None and self.step == f.step):

@@ -17,6 +17,12 @@ nothing, so a lost replica costs the others no step:
   synchronization, and recomputes the replica's inner steps of the round
   before the run goes on: the round ends with every replica, bitwise as
   without the failure;
+- a replica lost in an inner step: the survivors' step counts. Under
+  pause its report waits for the replacement, which recomputes the lost
+  replica's step as it catches up: the step reports every replica's loss,
+  bitwise as without the failure (`survivors_step`, `recomputed`). Under
+  resize nobody recomputes it: the step reports the survivors' mean, the
+  replicas whose deltas the round's outer step averages;
 - every replica lost at once: the run goes back to the newest of the
   round's start (under pause, where every replica's round-start state and
   a copy of the global params and outer state, kept beside them, are
@@ -35,6 +41,7 @@ from ray_elastic.checkpoint.config import CheckpointConfig
 from ray_elastic.config import ElasticConfig
 from ray_elastic.control.diloco_saves import DilocoCheckpoints
 from ray_elastic.control.membership import Membership, StateSource
+from ray_elastic.dispatch.calls import StepResult, replica_mean
 from ray_elastic.dispatch.outer_spec import OuterSpec
 from ray_elastic.errors import FailureKind, RunFailed, SliceFailure
 
@@ -66,6 +73,10 @@ class Rounds:
         # flight while the next inner steps run (`synchronize`).
         self._pending: Optional[_Pending] = None
         self._members: Optional[Membership] = None  # the run's (`saves`)
+        # Under pause, the step a replica was lost in: replica -> {host:
+        # metrics} of those that took it, until the replacement's recomputed
+        # step completes it (`survivors_step`, `recomputed`).
+        self._held: Optional[_HeldStep] = None
         # Durable checkpoints (diloco_saves.py), with a CheckpointConfig.
         self.checkpoints = None
         if self.on and checkpoint is not None:
@@ -218,6 +229,8 @@ class Rounds:
         if step != self.round_start or step == 0:
             self._round_states, self._outer_copies = {}, []
         self.round_start = step
+        if self._held is not None and self._held.step >= step:  # taken again from `step`: reported then
+            self._held = None
 
     def lost_all(self, members: Membership) -> StateSource:
         """Where the run goes back to with every replica lost: this round's
@@ -300,14 +313,14 @@ class Rounds:
                     return False
                 self.replicas[s] = r
                 upto = pending.boundary if pending is not None else step
-                backend.catch_up(s, donor, range(self.round_start, upto), self.shards_of(r),
-                                 deadline_s * max(1, upto - self.round_start))
+                self._took(r, backend.catch_up(s, donor, range(self.round_start, upto), self.shards_of(r),
+                                               deadline_s * max(1, upto - self.round_start)))
                 self._emit("diloco_caught_up", slice=s, replica=r, steps=step - self.round_start)
             if pending is not None:  # its boundary synchronized with every replica, the joiners go on to `step`
                 self.settle(step, deadline_s)
                 for s, r in taken.items():
-                    backend.catch_up(s, donor, range(pending.boundary, step), self.shards_of(r),
-                                     deadline_s * max(1, step - pending.boundary))
+                    self._took(r, backend.catch_up(s, donor, range(pending.boundary, step), self.shards_of(r),
+                                                   deadline_s * max(1, step - pending.boundary)))
         except SliceFailure as f:
             joined = [s for s in taken if s in members.live and s != f.slice_id]
             if f.slice_id in taken:
@@ -319,6 +332,41 @@ class Rounds:
             self._unjoin(joined, members)
             raise
         return True
+
+    def survivors_step(self, k: int, result: StepResult, paused: bool) -> tuple:
+        """Inner step k, which a replica was lost in, as the survivors took
+        it (`result`: their hosts' metrics): (its result, their loss and
+        aux metrics averaged in replica order; whether its report waits
+        for the replacement). Under pause (`paused`) it does: the
+        replacement recomputes the lost replica's step k as it catches up
+        (`join`), and `recomputed` gives the step with every replica's
+        metrics. Under resize the lost replica leaves its round with its
+        step: the survivors' mean is the step's."""
+        replicas = self.replica_map({s for s, _ in result.metrics})
+        if paused:
+            held = _HeldStep(k, {})
+            for (s, h), m in result.metrics.items():
+                held.by_replica.setdefault(replicas[s], {})[h] = m
+            self._held = held
+        return StepResult(replica_mean(result.metrics, replicas), {}), paused
+
+    def _took(self, replica: int, recomputed: Mapping) -> None:
+        """A joiner recomputed `replica`'s inner steps (step -> its hosts'
+        metrics): the held step's, if among them, completes it."""
+        if self._held is not None and self._held.step in recomputed:
+            self._held.by_replica[replica] = {h: m for (_, h), m in recomputed[self._held.step].items()}
+
+    def recomputed(self) -> Optional[StepResult]:
+        """The step `survivors_step` held, once every replica's metrics of
+        it are in: its loss and aux metrics averaged over all of them in
+        replica order, as without the failure (then it is forgotten);
+        None until then."""
+        held = self._held
+        if held is None or len(held.by_replica) < self._replicas_n:
+            return None
+        self._held = None
+        metrics = {(r, h): m for r in sorted(held.by_replica) for h, m in held.by_replica[r].items()}
+        return StepResult(replica_mean(metrics, {r: r for r in held.by_replica}), {})
 
     @staticmethod
     def _unjoin(slices: list, members: Membership) -> None:
@@ -335,6 +383,15 @@ class Rounds:
             taken = {self.replicas[t] for t in live if t in self.replicas}
             self.replicas[s] = min(r for r in range(self._replicas_n) if r not in taken)
         return {s: self.replicas[s] for s in sorted(live)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _HeldStep:
+    """An inner step a replica was lost in (pause): replica -> {host:
+    its metrics} of the replicas whose step is in so far."""
+
+    step: int
+    by_replica: dict
 
 
 @dataclasses.dataclass(frozen=True)

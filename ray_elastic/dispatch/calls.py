@@ -2,7 +2,8 @@
 them: one call on one host (`Call`), the step's deadline (`Deadline`), a
 step's gradient phase and reduction tree issued as one graph (`Issued`),
 a step's calls grouped by slice, and what a step comes back with
-(`StepResult`, or `PartialStep` when a slice failed in it); whether a
+(`StepResult`, or `PartialStep` when a slice failed in it; a DiLoCo
+step's metrics averaged over its replicas, `replica_mean`); whether a
 slice's hosts hold their own blocks (`per_host`). Pure: nothing here talks to Ray
 (step_runner.py makes the calls and waits for them; the group leaders,
 leader.py, use the same pieces)."""
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Iterable, Mapping, Optional
 
-__all__ = ["Call", "Deadline", "Issued", "PartialStep", "StepResult", "per_host", "refs_by_slice"]
+__all__ = ["Call", "Deadline", "Issued", "PartialStep", "StepResult", "per_host", "refs_by_slice", "replica_mean"]
 
 
 def per_host(sl) -> bool:
@@ -108,3 +109,14 @@ class PartialStep:
     assignment: dict  # slice -> its shards, as the step began
     payloads: dict  # surviving slice -> {sending host: its gradients (a ref)}
     pending: list = dataclasses.field(default_factory=list)  # survivors' phase-1 Calls still running
+
+
+def replica_mean(metrics: Mapping, replicas: Mapping[int, int]) -> dict:
+    """Every host's metrics with the step's loss and aux metrics averaged
+    over the replicas (host 0 of each, in replica order), as MaxText
+    reports a DiLoCo step; each replica's own loss stays as replica_loss."""
+    firsts = sorted(((replicas[s], m) for (s, h), m in metrics.items() if h == 0), key=lambda x: x[0])
+    loss = sum(m["loss"] for _, m in firsts) / len(firsts)
+    names = set().union(*(m.get("aux", {}) for _, m in firsts))
+    aux = {k: sum(m["aux"][k] for _, m in firsts) / len(firsts) for k in sorted(names)}
+    return {key: {**m, "loss": loss, "aux": aux, "replica_loss": m["loss"]} for key, m in metrics.items()}

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import ray
 
-from ray_elastic.dispatch.calls import Call, Deadline, StepResult
+from ray_elastic.dispatch.calls import Call, Deadline, StepResult, replica_mean
 from ray_elastic.dispatch.exchange import MAX_CHUNKS, issue_exchange, sources_of
 from ray_elastic.dispatch.exchange_plan import ExchangePlan
 from ray_elastic.dispatch.step_runner import StepRunner, per_host, senders
@@ -25,18 +25,7 @@ from ray_elastic.dispatch.tree import refs_of
 from ray_elastic.errors import SliceFailure
 from ray_elastic.dispatch.outer_spec import OuterSpec
 
-__all__ = ["DilocoRunner", "Pending", "SyncCalls", "replica_mean"]
-
-
-def replica_mean(metrics: Mapping, replicas: Mapping[int, int]) -> dict:
-    """Every host's metrics with the step's loss and aux metrics averaged
-    over the replicas (host 0 of each, in replica order), as MaxText
-    reports a DiLoCo step; each replica's own loss stays as replica_loss."""
-    firsts = sorted(((replicas[s], m) for (s, h), m in metrics.items() if h == 0), key=lambda x: x[0])
-    loss = sum(m["loss"] for _, m in firsts) / len(firsts)
-    names = set().union(*(m.get("aux", {}) for _, m in firsts))
-    aux = {k: sum(m["aux"][k] for _, m in firsts) / len(firsts) for k in sorted(names)}
-    return {key: {**m, "loss": loss, "aux": aux, "replica_loss": m["loss"]} for key, m in metrics.items()}
+__all__ = ["DilocoRunner", "Pending", "SyncCalls"]
 
 
 class DilocoRunner:
@@ -263,15 +252,19 @@ class DilocoRunner:
                 calls.append(Call(s, h, call(), call))
         self.runner.gather(calls, boundary, wait, live)
 
-    def catch_up(self, slice_id: int, live: Mapping, steps: range, shards: tuple, wait: Deadline) -> None:
-        """A joiner recomputes its replica's inner `steps`, one after the other."""
+    def catch_up(self, slice_id: int, live: Mapping, steps: range, shards: tuple, wait: Deadline) -> dict:
+        """A joiner recomputes its replica's inner `steps`, one after the
+        other: step -> its hosts' metrics ((slice, host) -> metrics), the
+        loss of a step the lost replica did not report among them."""
+        out = {}
         for k in steps:
             calls = []
             for h, w in enumerate(live[slice_id].workers):
                 def call(w=w):
                     return w.inner_step.options(concurrency_group="compute").remote(k, shards, self.spec)
                 calls.append(Call(slice_id, h, call(), call))
-            self.runner.gather(calls, k, wait, {slice_id: live[slice_id]})
+            out[k] = self.runner.gather(calls, k, wait, {slice_id: live[slice_id]})
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
