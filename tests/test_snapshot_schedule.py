@@ -239,6 +239,20 @@ def test_one_slice_pins_a_copy_unless_sharded():
         store.close()
 
 
+def test_a_closed_store_holds_no_copy_of_the_state():
+    """The run is over: a driver that keeps its trainer must not keep its
+    snapshots in the object store (the soak counted them after a run)."""
+    store = SnapshotStore(fetch=fake_fetch())
+    offer_all(store, 4, [0])
+    store.wait_sealed(5)
+    store.expect(5, 2)  # one taken, not yet offered
+    assert store.has_pinned_copy and store.restore_source(lambda n: True) == (4, "ref0")
+    store.close()
+    assert store.latest_step() is None and not store.has_pinned_copy and not store.sealing()
+    assert store.restore_source(lambda n: True) is None and store.copy_of(4) is None and store.copy_of(5) is None
+    assert [r.step for r in store.take_records()] == [4]  # the records stay
+
+
 def test_snapshotting_takes_two_slices_and_emits_one_event_per_measured_snapshot():
     gates = {5: threading.Event()}
     store, events = SnapshotStore(fetch=fake_fetch(gates)), []

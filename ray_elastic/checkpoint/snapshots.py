@@ -241,7 +241,12 @@ class SnapshotStore:
         return self._clock() - t0
 
     def close(self) -> None:
+        """The run is over: its copies of the state go with it (their refs
+        and the driver's pinned copy), or a driver that keeps the trainer
+        would keep them in the object store; the records stay. A save in
+        flight holds the copy it reads on its own."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pending, self._kept = [], []
 
 
 def _done(*value) -> concurrent.futures.Future:
