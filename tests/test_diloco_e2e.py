@@ -114,6 +114,8 @@ def test_pause_kill_mid_synchronization(nodes, free, lm_factory):
     caught = [e for e in events if e["event"] == "diloco_caught_up"]
     assert caught and caught[0]["replica"] == 1 and caught[0]["steps"] == 4, caught
     assert {e["step"]: e["replicas"] for e in events if e["event"] == "diloco_sync"}[8] == [0, 1]
+    # No step was in flight: none was rewound (a synchronization's failure once counted one).
+    assert [f.steps_rewound for f in report.failures] == [0]
     assert _equal(trainer, free[0])
     assert report.losses == free[1].losses
 

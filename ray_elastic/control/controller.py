@@ -168,15 +168,17 @@ class Controller:
                 if self._take_notice():
                     outcome = "preempted"
                     break
+                stepping = False  # a failure found in a join or a DiLoCo synchronization had no step in flight
                 try:  # a join at the boundary may find a live slice lost too
                     if not self._step_boundary():
                         continue
                     if self._rounds.owed(self.step):  # a DiLoCo round ends: the replicas synchronize
                         self._rounds.synchronize(self.step, self.members, self._deadline_s())
                         continue
+                    stepping = True
                     self._take_step()
                 except SliceFailure as f:
-                    self._recover(f)
+                    self._recover(f, in_flight=stepping)
                     continue
                 self._after_step()
             else:
@@ -381,10 +383,9 @@ class Controller:
 
     def _complete_step(self, k: int, result, t_start: float, recovered: bool = True,
                        slices: Optional[int] = None, held: bool = False) -> None:
-        """Step k is done: its snapshots, time and metrics; `recovered`:
-        the open failures are over (not while paused for a replacement);
-        `slices`: how many computed it (default: the live ones); `held`:
-        its report waits for a DiLoCo replacement's loss (step_reports.py)."""
+        """Step k is done: its snapshots, time and metrics; `recovered`: the open failures are over (not while
+        paused for a replacement); `slices`: how many computed it (default: the live ones); `held`: its report
+        waits for a DiLoCo replacement's loss (step_reports.py)."""
         m = self.members
         self._preemption.record_step(result.metrics)
         t_end = self._clock()
@@ -450,7 +451,7 @@ class Controller:
             self._event("wait", deadline_s=round(d.deadline - now, 3), step=self.step)
         if not isinstance(self._state, Waiting):
             self._state = Running(fresh=True)
-        open_failure.steps_rewound = (f.step + 1 if in_flight else f.step) - self.step
+        open_failure.steps_rewound = max(0, (f.step + 1 if in_flight else f.step) - self.step)
         open_failure.restored_from = "live" if self.members.live else "pending"
         self._open.append(open_failure)
         self._handling = None
@@ -526,8 +527,7 @@ class Controller:
             self._state = Waiting(since=self._clock(), until=self._clock() + self.config.timeout_s)
 
     def _take_notice(self) -> bool:
-        """Handle a preemption notice at this step boundary. True when the
-        run must stop (SIGTERM to the driver)."""
+        """Handle a preemption notice at this step boundary. True when the run must stop (SIGTERM to the driver)."""
         notice = self._preemption.check(self.members.hosts(), self._clock(), time.time())
         if isinstance(notice, DriverStop):
             self._state = Stopping(notice.reason)
