@@ -47,6 +47,18 @@ def test_done_calls_are_read_once_and_a_failed_calls_other_returns_too():
     assert u.sweep() == 0
 
 
+def test_released_calls_are_let_go_read_or_not():
+    read: list = []
+    u = Unread(_api(read))
+    ended = Ref("ended")
+    u.add(ended, (Ref("payload"),))
+    u.add(Ref("still running", done=False), (Ref("its payload"),))
+    assert u.release() == 2 and len(u) == 0 and u.sweep() == 0
+    assert read == []  # nothing fetched: a payload is let go, not read
+    u.add(ended)  # a call let go is forgotten: given up on again, it is kept again
+    assert len(u) == 1
+
+
 def test_a_step_dropped_twice_is_waited_for_once():
     read: list = []
     d = Dropped(_api(read))

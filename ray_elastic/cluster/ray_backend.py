@@ -467,6 +467,12 @@ class RayBackend:
             self._slices.shutdown(keep=kept)
         else:
             self._slices.shutdown()
+        if not isinstance(self.runner, GroupedRunner):
+            # The workers retired, a call still kept has ended or will end
+            # in an error: read those done, let go of the rest, so that the
+            # driver holds no payload of the run (the soak counted them).
+            self.runner.unread.sweep(timeout_s=2.0)
+            self.runner.unread.release()
 
 
 def _answers(workers: list, timeout_s: float = 2.0) -> bool:

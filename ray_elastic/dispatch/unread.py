@@ -81,6 +81,15 @@ class Unread:
         return read
 
 
+    def release(self) -> int:
+        """The run is over: let go of every call still kept, read or not
+        (held on, each would keep its returns, a gradient payload among
+        them, in the object store for as long as the driver lives).
+        Returns how many were let go."""
+        n, self._calls, self._held = len(self._calls), [], set()
+        return n
+
+
 class Dropped:
     """Calls a runner issued and gave up on (a step issued ahead that will
     not run as issued): their results are never read. Their gradient calls
