@@ -13,10 +13,12 @@ prints Markdown tables and writes the figures (JSON, Markdown, PNG) under
 - detect: node removal and a frozen node on Ray's default health checks
   and on the tuned ones, side by side, and a stopped worker and a slowed
   slice (heartbeats: found, or rightly not), on ray_elastic's defaults;
-- soak: a long chaos run per policy (six fault kinds, one every 20-60 s) on
-  Ray's default health checks with checkpoints on a GCS-compatible server,
-  then a failure-free reference: every failure recovered, final state
-  bitwise equal (`--minutes`, `--policy pause|resize|both`);
+- soak: a long chaos run per leg (nine fault kinds, the next as soon as the
+  last has healed, a share fired mid-recovery, mid-join, mid-checkpoint and
+  mid-DiLoCo-synchronization) on Ray's default health checks with
+  checkpoints on a GCS-compatible server, then a failure-free reference:
+  every failure recovered, final state bitwise equal, nothing leaked
+  (`--failures N` or `--minutes`, `--policy pause|resize|diloco|both|all`);
 - ready: a replacement worker's placement to ready, per phase (process
   start, imports, JAX init, program, initial state, compile, first state
   load), `--runs` replacements per variant;
@@ -133,15 +135,20 @@ def main(argv=None) -> int:
     parser.add_argument("--floor", action="store_true",
                         help="scale: the driver's calls alone, no controller (bench/call_floor.py): today's pattern, "
                              "a folded one and one bare call per slice, 1 s compute (default sizes 256,1024)")
-    parser.add_argument("--minutes", type=float, default=30.0, help="soak: length of each chaos run (default 30)")
-    parser.add_argument("--policy", default="both", choices=("pause", "resize", "both"),
-                        help="soak: the policy of the chaos run(s) (default both)")
+    parser.add_argument("--minutes", type=float, default=30.0,
+                        help="soak: length of each chaos run without --failures (default 30)")
+    parser.add_argument("--failures", type=int, default=None,
+                        help="soak: run each leg until this many faults have been fired and healed")
+    parser.add_argument("--policy", default="both", choices=("pause", "resize", "diloco", "both", "all"),
+                        help="soak: the leg(s): both = pause and resize, all = those and diloco (default both)")
+    parser.add_argument("--window-share", type=float, default=None,
+                        help="soak: the share of faults fired from an event that opens a window (default 0.25)")
     parser.add_argument("--seed", type=int, default=0, help="soak: seed of the fault draws")
     parser.add_argument("--kinds", type=_csv, default=None,
-                        help="soak: comma-separated subset of fault kinds (default all six)")
+                        help="soak: comma-separated subset of fault kinds (default all nine)")
     parser.add_argument("--interval", type=lambda t: tuple(float(x) for x in _csv(t)), default=None,
-                        help="soak, compare's chaos: seconds between faults, MIN,MAX (default 20,60; compare 30,60)")
-    parser.add_argument("--max-faults", type=int, default=None, help="soak: at most this many faults per run")
+                        help="soak: seconds from a healed run to its next fault, MIN,MAX (default 1,5); "
+                             "compare's chaos: seconds between faults (default 30,60)")
     parser.add_argument("--time-cap", action="store_true",
                         help="soak: the first chaos run ends (all slices live) once --minutes have passed, and the "
                         "later runs and the reference take the steps it completed (use with a generous --steps)")
@@ -399,12 +406,17 @@ def main(argv=None) -> int:
         bad = [k for k in kinds if k not in soak.KINDS]
         if bad:
             parser.error(f"unknown fault kind(s) {bad}; choose from {', '.join(soak.KINDS)}")
-        interval = args.interval or soak.INTERVAL_S
-        if len(interval) != 2 or not 0 < interval[0] <= interval[1]:
-            parser.error("--interval: MIN,MAX seconds, 0 < MIN <= MAX")
-        policies = soak.POLICIES if args.policy == "both" else (args.policy,)
-        result = soak.run(args.minutes, policies, seed=args.seed, interval_s=interval, kinds=kinds,
-                          steps=args.steps, reference=not args.no_reference, max_faults=args.max_faults,
+        gap = args.interval or soak.GAP_S
+        if len(gap) != 2 or not 0 <= gap[0] <= gap[1]:
+            parser.error("--interval: MIN,MAX seconds, 0 <= MIN <= MAX")
+        if args.failures is not None and args.failures < 1:
+            parser.error("--failures: at least 1")
+        share = soak.WINDOW_SHARE if args.window_share is None else args.window_share
+        if not 0 <= share <= 1:
+            parser.error("--window-share: between 0 and 1")
+        legs = {"both": soak.POLICIES, "all": soak.LEGS}.get(args.policy, (args.policy,))
+        result = soak.run(args.minutes, legs, seed=args.seed, gap_s=gap, kinds=kinds, steps=args.steps,
+                          failures=args.failures, window_share=share, reference=not args.no_reference,
                           partial_path=os.path.join(args.out, "soak.partial.json"), time_cap=args.time_cap)
         files = soak.write(result, args.out)
         print()
