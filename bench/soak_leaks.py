@@ -52,25 +52,37 @@ def _kind(title: str) -> str:
     return base.split()[0] if base else "other"
 
 
-def _memory_summary(stats_only: bool) -> str:
-    """Ray's memory summary of this cluster (what `ray memory` prints)."""
+def _head_raylet() -> tuple:
+    """The head node's raylet (address, port): Ray's memory calls ask one
+    raylet for every node's figures, and take the first live one in the
+    node table otherwise, which may be a node the bench has just removed
+    and Ray not yet declared dead (the call is refused)."""
     import ray
-    from ray._private.internal_api import memory_summary
 
-    # The address given: other Ray clusters may run on this machine.
-    return memory_summary(address=ray.get_runtime_context().gcs_address, stats_only=stats_only)
+    head = next(n for n in ray.nodes() if n["Alive"] and "node:__internal_head__" in n.get("Resources", {}))
+    return head["NodeManagerAddress"], head["NodeManagerPort"]
+
+
+def _memory_reply():
+    import ray
+    from ray._private.internal_api import get_state_from_address
+    from ray._private.grpc_utils import init_grpc_channel
+    from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+
+    # Ray has no public call for the object store's use; this is what its
+    # memory summary (`ray memory`) reads, from the head node's raylet.
+    get_state_from_address(ray.get_runtime_context().gcs_address)
+    host, port = _head_raylet()
+    stub = node_manager_pb2_grpc.NodeManagerServiceStub(init_grpc_channel(f"{host}:{port}"))
+    return stub.FormatGlobalMemoryInfo(
+        node_manager_pb2.FormatGlobalMemoryInfoRequest(include_memory_info=False), timeout=60.0)
 
 
 def _store() -> dict:
     """The object store's bytes over the nodes: in use, and of primary
     copies (what someone still references; the rest are cached copies Ray
     evicts when it needs the room)."""
-    import ray
-    from ray._private.internal_api import get_memory_info_reply, get_state_from_address
-
-    # Ray has no public call for the object store's use; its memory
-    # summary (`ray memory --stats-only`) reads these.
-    stats = get_memory_info_reply(get_state_from_address(ray.get_runtime_context().gcs_address)).store_stats
+    stats = _memory_reply().store_stats
     return {"used": int(stats.object_store_bytes_used), "primary": int(stats.object_store_bytes_primary_copy)}
 
 
@@ -124,8 +136,20 @@ def settled(before: dict, fault_pids: Sequence[int], limit_s: float = SETTLE_S) 
     }
     out = {"before": before, "after": now, "leaked": leaks, "none": not any(leaks.values())}
     if leaks["object_store_bytes"]:  # which objects of 100 kB or more, and who holds them
-        text = _memory_summary(stats_only=False)
-        out["objects"] = [line for line in text.splitlines()
-                          if "Summary for node" in line or "Plasma" in line
-                          or re.search(r"\| (\d{6,}(\.\d+)?) B", line)][:200]
+        out["objects"] = _big_objects()
     return out
+
+
+def _big_objects() -> list:
+    """The lines of `ray memory` about objects of 100 kB or more: which,
+    and which process holds them (a diagnosis, never an error)."""
+    try:
+        import ray
+        from ray._private.internal_api import get_state_from_address
+        from ray.dashboard.memory_utils import memory_summary
+
+        text = memory_summary(get_state_from_address(ray.get_runtime_context().gcs_address), "NODE_ADDRESS",
+                              "OBJECT_SIZE", True, "B", None)
+    except Exception as e:  # noqa: BLE001
+        return [f"ray memory failed: {type(e).__name__}: {e}"]
+    return [line for line in text.splitlines() if re.search(r"\b\d{6,}(\.\d+)? B\b", line)][:200]
