@@ -10,7 +10,9 @@ once Ray has declared them dead.
 - Kinds (`KINDS`): `kill` (SIGKILL of the worker), `stop` (SIGSTOP: a
   hang), `term` (SIGTERM: a preemption notice to the process), `oom` (a
   leak in the worker past its node's memory threshold: Ray's memory
-  monitor kills it), `remove_node` (its node leaves with its processes),
+  monitor kills it; the tight node is made again, its threshold from the
+  machine's use then, when the run has not healed for STALLED_S with no
+  live slice on it), `remove_node` (its node leaves with its processes),
   `freeze_node` (the node's raylet and processes SIGSTOPped; thawed once
   Ray has declared it dead), `drain` (a Ray drain notice, reason
   preemption; the node is taken away once the run has left it, or at the
@@ -63,9 +65,14 @@ WINDOW_KINDS = ("kill", "stop", "term", "remove_node")  # what a window fault ma
 WINDOWS = ("recovery", "join", "checkpoint", "sync")
 DRAIN_DEADLINE_S = 30.0
 SLOW_MS = 500  # per gradient call: many times a step of the soak's model (straggler_min_s 3 s: bench/soak.py)
-OOM_HEADROOM_MB = 2500  # the tight node's threshold: the machine's use when it starts, plus this
+OOM_HEADROOM_MB = 4000  # the tight node's threshold: the machine's use when it starts, plus this
 OOM_OVERSHOOT_MB = 1024  # a leak takes the machine this far past the threshold
 UNDETECTED_AFTER_S = 180.0  # a fault not noticed by then counts as undetected
+# A run not healed for this long with no live slice on the memory-tight
+# node gets a new tight node: the machine's use grew past the old one's
+# threshold (other work on it), and its raylet kills every worker that
+# starts there (a spare that never came up: seen with two soaks at once).
+STALLED_S = 90.0
 THAW_CHECK_S = 2.0  # how often frozen nodes are checked for Ray's verdict
 STALE_CHECK_S = 10.0  # after a thaw, when to look whether its processes ended
 
@@ -140,6 +147,8 @@ class Chaos:
         self.chained: Optional[dict] = None  # {"window", "parent"}: a recovery or join fault owed
         self.started = False
         self.ended_at: Optional[int] = None
+        self.changed_t = 0.0  # when a fault fired or the run was last seen healed
+        self.tight_renewed = 0
         self.nodes_needed = 0  # replacement nodes the faults call for, not yet up
         self.nodes_asked = 0  # of those, the ones being added
         self.bench_s = 0.0
@@ -197,7 +206,7 @@ class Chaos:
     def on_event(self, e: dict) -> None:
         ev, now = e["event"], e["t"]
         if ev == "start":
-            self.started = True
+            self.started, self.changed_t = True, now
         mine = next((f for f in self._undetected() if e.get("slice") == f["slice"]), None)
         if mine is not None and ev == "preempt_notice" and mine["kind"] in NOTICE_KINDS:
             mine.setdefault("notice_t", now)
@@ -244,6 +253,7 @@ class Chaos:
         if not healed:
             self.heal_t = None
             return
+        self.changed_t = now
         if self.heal_t is None:  # healed since the last step: the next fault's turn, after a seeded gap
             self.heal_t = now
             self.next_t = now + self.rng.uniform(*self.gap_s)
@@ -325,7 +335,7 @@ class Chaos:
         if self.tight is not None and node == self.tight["node"] and kind in NODE_KINDS + EVICT_KINDS:
             self.tight["node"] = None  # it goes: the next node added is the tight one (`_add_node`)
         self.faults.append(fault)
-        self.heal_t = None
+        self.heal_t, self.changed_t = None, t
         self.log(f"    [{self.name}] fault {fault['i']}: {kind} slice {s} at {t:.1f} s"
                  + (f" ({window} window)" if window else f" (after step {step})"))
         # A share of faults fired by the clock has the next one fire in its recovery or join.
@@ -349,6 +359,20 @@ class Chaos:
         finally:
             self.nodes_asked -= 1
             self.nodes_needed -= 1
+
+    def _renew_tight(self) -> None:
+        """A new memory-tight node, its threshold from the machine's use now,
+        in place of the old one (a slice starting there starts again)."""
+        old = self.tight["node"]
+        try:
+            env, threshold = tight_env()
+            self.tight.update(node=self.cluster.add_node(env=env), threshold=threshold)
+            if old in self.cluster.nodes:
+                self.cluster.remove_node(old)
+            self.tight_renewed += 1
+            self.log(f"    [{self.name}] not healed for {STALLED_S:.0f} s: a new memory-tight node")
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(f"renewing the tight node: {type(e).__name__}: {e}")
 
     def _take_away(self, node: str, why: str) -> None:
         d = self.leaving.pop(node)
@@ -374,6 +398,10 @@ class Chaos:
         for node, d in list(self.leaving.items()):
             if d["deadline_t"] is not None and now >= d["deadline_t"]:
                 self._take_away(node, "deadline")
+        if (self.started and self.tight is not None and self.tight["node"] is not None and self.cluster_work is not None
+                and now - self.changed_t > STALLED_S and self._on_tight() is None and not self.healed()):
+            self.changed_t = now  # one renewal per stall period
+            self.cluster_work.put((self._renew_tight, ()))
         if now - self._checked_t < THAW_CHECK_S or not (self.frozen or self.thawed):
             return
         self._checked_t = now

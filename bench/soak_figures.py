@@ -129,6 +129,7 @@ def analyse(report, steps_seen: list, chaos, *, name: str, error: Optional[str])
         "checkpoints": len(report.checkpoints),
         "restores": [{k: e.get(k) for k in ("t", "source", "step")} for e in report.events if e["event"] == "restore"],
         "bench_node_changes_s": round(chaos.bench_s, 3),
+        "tight_node_renewed": chaos.tight_renewed,
         "timeline": [[t, s] for t, s, _ in steps_seen[::thin]],
     }
 
