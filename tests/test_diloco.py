@@ -326,3 +326,23 @@ def test_a_held_report_goes_out_with_every_replicas_loss_or_as_it_is():
     reports.report(8, survivors, 0.5, 2, held=True)
     reports.release(8)  # the run ended before the replacement joined: the survivors' loss
     assert heard.steps == [(6, 2.0, 0.5), (8, 1.0, 0.25)]
+
+
+def test_a_closed_run_keeps_no_round_start_state():
+    """The run is over: the round-start states and global copies it kept
+    (pause) are let go, so a driver keeping the trainer keeps none."""
+    rounds = Rounds(ElasticConfig(num_slices=2, enable_diloco=True, diloco_sync_period=4), steps=12)
+    rounds.round_start = 4
+    rounds.keep_round_states({0: [("r0", ("a",))], 1: [("r1", ("b",))]})
+    assert rounds.round_state_refs() == {0: "r0", 1: "r1"}
+    rounds.close()
+    assert rounds.round_state_refs() == {}
+
+
+def test_the_final_state_is_the_lowest_replicas():
+    """After replacements the lowest slice id may hold another replica:
+    the final state is replica 0's, as in a failure-free run."""
+    rounds = Rounds(ElasticConfig(num_slices=3, batch_shards=3, enable_diloco=True), steps=8)
+    rounds.replicas = {0: 2, 1: 1, 3: 0}
+    assert rounds.first({0, 1, 3}) == 3
+    assert Rounds(ElasticConfig(num_slices=3), steps=8).first({2, 0, 1}) == 0

@@ -114,8 +114,7 @@ class Controller:
         self._held = None  # (partial step, its failure): finished when paused slices are back
         self._t_step = 0.0  # when the step in flight started
         self._step_slices = 0  # how many slices it started on
-        self._t0 = 0.0
-        self._started, self._outcome, self._error = False, "", ""
+        self._t0, self._started, self._outcome, self._error = 0.0, False, "", ""
         self._announced = None  # the RunStatus callbacks saw last
         self._handling: Optional[OpenFailure] = None  # the failure being recovered from, until it is open
         self.members: Optional[Membership] = None  # made by fit()
@@ -184,7 +183,7 @@ class Controller:
             else:
                 self._saves.at_end(self.step)
             if self._keep_final_state and self.members.live:
-                self.final_state = final_state(backend.fetch(backend.state(min(self.members.live))))
+                self.final_state = final_state(backend.fetch(backend.state(self._rounds.first(self.members.live))))
                 if isinstance(self.final_state, tuple):  # sharded: the trees' shapes, to make whole arrays of
                     self._final_template = backend.template(min(self.members.live))
         except BaseException as e:  # RunFailed, a ConfigError found at set-up, a bug, Ctrl-C: all end the run
@@ -200,6 +199,7 @@ class Controller:
             self._event("end", steps=self.step, outcome=outcome, **({"error": error} if error else {}))
             if self._snapshots is not None:
                 self._snapshots.close()
+            self._rounds.close()
             if self._ckpt is not None:  # a preemption's save still in flight commits first (saves.py)
                 (self._saves.finish if self._saves is not None else self._ckpt.shutdown)()
             if backend is not None:  # a completed run's slices serve the next where it keeps workers

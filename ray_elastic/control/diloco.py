@@ -232,6 +232,20 @@ class Rounds:
         if self._held is not None and self._held.step >= step:  # taken again from `step`: reported then
             self._held = None
 
+    def first(self, live) -> int:
+        """The live slice whose state is the run's final one: the lowest
+        replica's under DiLoCo (its inner optimizer state is its own: the
+        lowest slice id may be another replica's after a replacement, and
+        the final state would differ from a failure-free run's), else the
+        lowest slice."""
+        return min(live, key=lambda s: self.replica_map(live)[s]) if self.on else min(live)
+
+    def close(self) -> None:
+        """The run is over: its kept round-start states and global copies
+        go with it, or a driver that keeps the trainer would keep them in
+        the object store (the soak counted them after a DiLoCo run)."""
+        self._round_states, self._outer_copies, self._held = {}, [], None
+
     def lost_all(self, members: Membership) -> StateSource:
         """Where the run goes back to with every replica lost: this round's
         start (pause: every replica's round-start state and a global copy
