@@ -67,8 +67,8 @@ def one_run(variant: str) -> dict:
 
 
 def run(cluster, runs: int = 3, warm_up: bool = True) -> dict:
-    """`warm_up=False` skips the first run (the smoke test's: its figures
-    are not compared, and both variants still run whole)."""
+    """`warm_up=False` skips the first run (a quick check that both
+    variants run whole: its figures are not comparable)."""
     from bench.common import ensure_nodes
 
     ensure_nodes(cluster, SLICES * HOSTS)
