@@ -265,6 +265,40 @@ def test_worker_hung_is_found_by_heartbeats_and_replaced_once_gone(nodes, lm_fac
     _assert_bitwise_equal(trainer.final_state, baseline)
 
 
+def test_a_worker_stopped_while_the_run_recovers_is_found_by_its_heartbeats(nodes, lm_factory, baseline):
+    """A survivor SIGSTOPped as another slice's kill is detected (the
+    soak's "mid-recovery"): the recovery asks the survivors which step they
+    hold, and the stopped one never answers. Its heartbeats name it then,
+    as in a step (the recovery's waits are watched: failures.location's
+    watched_wait), not the recovery call's timeout 60 s later; the run
+    recovers from both and ends bitwise equal."""
+    import signal
+
+    nodes(3)
+    stopped, holder = {}, {}
+
+    def on_event(e):
+        if e["event"] == "detected" and not stopped:
+            stopped["pid"] = holder["trainer"].hosts(0)[0]["pid"]
+            os.kill(stopped["pid"], signal.SIGSTOP)
+
+    trainer = ElasticTrainer(lm_factory, _config(policy="pause", spare_slices=1), STEPS,
+                             faults=(Fault("kill", 1, FAIL_AT),), on_event=on_event, keep_final_state=True)
+    holder["trainer"] = trainer
+    try:
+        report = trainer.fit()
+    finally:
+        if stopped and psutil.pid_exists(stopped["pid"]):
+            os.kill(stopped["pid"], signal.SIGKILL)
+    assert [(f.kind, f.slice) for f in report.failures] == [("process_died", 1), ("hung", 0)], report.failures
+    hung = report.failures[1]
+    assert "no heartbeat" in hung.cause and "its process is stopped" in hung.cause, hung.cause
+    found = [e["t"] for e in report.events if e["event"] == "detected"]
+    assert found[1] - found[0] < 20.0, found  # the recovery's own timeouts are 30 and 60 s
+    assert report.steps_completed == STEPS and report.slices_per_step[-1] == 2
+    _assert_bitwise_equal(trainer.final_state, baseline)
+
+
 def test_a_slow_slice_and_a_worker_holding_its_gil_are_not_hung(nodes, lm_factory, baseline):
     """A worker that holds Python's GIL for 5 s mid-step (a `gil` fault:
     its heartbeats go unanswered, as in a long garbage collection, yet its

@@ -210,3 +210,18 @@ def test_slow_fault_parses_and_needs_its_milliseconds():
         Fault("kill", 1, 20, ms=100)
     with pytest.raises(ConfigError, match="MS must be integers"):
         Fault.parse("slow:1:20:0:grads:fast")
+
+
+def test_a_slice_is_known_once_its_hosts_have_run_a_step_and_a_replacement_is_not():
+    """Which slices a recovery's watched waits may watch (location.known):
+    those whose hosts were seen in a step; a joining slice's new processes,
+    maybe still starting, are left to the call's timeout."""
+    beats, clock, pings = _beats()
+    live = _live()
+    assert not beats.knows(live, 0) and not beats.knows(live, 1)
+    beats.started(live, 5)
+    assert beats.knows(live, 0) and beats.knows(live, 1)
+    live[1] = types.SimpleNamespace(workers=["w1.0", "new.1"])  # host 1 of slice 1 replaced: a new process
+    assert beats.knows(live, 0) and not beats.knows(live, 1)
+    beats.forget(0)  # found hung
+    assert not beats.knows(live, 0)

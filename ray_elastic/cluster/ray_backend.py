@@ -17,7 +17,7 @@ from ray_elastic.cluster.backend import SliceUp
 from ray_elastic.checkpoint.host_writes import HostRestore
 from ray_elastic.errors import CheckpointDamaged, RunFailed, StateLoadFailed
 from ray_elastic.dispatch.assignment import leader_ranges
-from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short
+from ray_elastic.failures.location import FailureLocator, RayProbe, ping_ref, short, watched_wait
 from ray_elastic.dispatch.grouped_runner import GroupedRunner
 from ray_elastic.cluster.slice_group import LiveSlice, Provisioning, RaySlices, SliceProvisioner
 from ray_elastic.dispatch.calls import Call, Deadline
@@ -386,7 +386,14 @@ class RayBackend:
             refs = [w.load_state.remote(source[h] if isinstance(source, tuple) else source)
                     for s in slices for h, w in enumerate(self._up[s].workers)]
         try:
-            ray.get(refs, timeout=timeout_s)
+            # Survivors behind the others are watched as in a step; a
+            # joining slice's new processes are left to the timeout.
+            known = self.locator.known(self._live(slices))
+            lost = self._wait_watched(refs, [s for s in slices for _ in self._up[s].workers], -1, timeout_s,
+                                      only=known)
+            if lost is not None:
+                raise StateLoadFailed([lost.slice_id], lost.cause)
+            ray.get(refs, timeout=1.0)
         except rex.RayTaskError as e:
             if isinstance(getattr(e, "cause", None), CheckpointDamaged):
                 raise e.cause from None
@@ -398,11 +405,17 @@ class RayBackend:
 
     def held_steps(self, slices: Sequence[int], step: int, abort_waits: bool = False) -> dict[int, int]:
         order = sorted(slices)
-        self.runner.settle_applies(timeout_s=30.0, slices=set(order), abort_waits=abort_waits)
+        live = self._live(order)
+        self.runner.settle_applies(timeout_s=30.0, slices=set(order), abort_waits=abort_waits,
+                                   watch=lambda waiting: self.locator.watch(live, waiting, step))
         try:
             # Every host: under a sharded layout each host applies its own
             # blocks, so a failure mid-apply may leave a slice's hosts apart.
-            held = ray.get([w.held_step.remote() for s in order for w in self._up[s].workers], timeout=30)
+            refs = [w.held_step.remote() for s in order for w in self._up[s].workers]
+            lost = self._wait_watched(refs, [s for s in order for _ in self._up[s].workers], step, 30.0)
+            if lost is not None:
+                raise lost
+            held = ray.get(refs, timeout=1.0)
         except rex.RayError as e:
             raise self.locator.first_dead(e, self._live(order), step) from None
         out, i = {}, 0
@@ -412,6 +425,18 @@ class RayBackend:
             out[s] = steps.pop() if len(steps) == 1 else -1
             i += n
         return out
+
+    def _wait_watched(self, refs: list, slice_of: list, step: int, timeout_s: float, only=None):
+        """failures.location.watched_wait for calls to hosts of the slices
+        `slice_of` names (one per ref), watched as a step's are (`only`
+        those of these slices, if given)."""
+        live = self._live(sorted(set(slice_of)))
+
+        def watch(waiting: set):
+            waiting = waiting if only is None else waiting & only
+            return self.locator.watch(live, waiting, step) if waiting else None
+
+        return watched_wait(dict(zip(refs, slice_of)), watch, self._clock, timeout_s)
 
     def locate(self, slices: Sequence[int], step: int, cause: BaseException):
         """The SliceFailure behind a call to several slices that failed."""

@@ -449,7 +449,7 @@ class GroupedRunner:
         snapshotting slices'), as StepRunner.applied."""
         return self.top.applied(k, live)
 
-    def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
+    def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False, watch=None) -> None:
         """After a failure, every leader settles its group's applies, and
         the driver its own (StepRunner.settle_applies); the next calls get
         a new epoch."""
@@ -458,7 +458,7 @@ class GroupedRunner:
         refs = [(g, leader.settle.remote(self._epoch, timeout_s, which, abort_waits))
                 for g, leader in enumerate(self._leaders)]
         self.top.epoch = self._epoch
-        self.top.settle_applies(timeout_s, slices, abort_waits)
+        self.top.settle_applies(timeout_s, slices, abort_waits, watch)  # the leaders' own: their timeout
         self._epoch += 1
         for g, ref in refs:
             try:

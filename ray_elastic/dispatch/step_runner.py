@@ -50,7 +50,7 @@ from ray_elastic.dispatch.exchange import ExchangeSpec, issue_exchange, sources_
 from ray_elastic.dispatch.tree import Part, deeper, gates, holders, refs_of
 from ray_elastic.errors import FailureKind, SliceFailure
 from ray_elastic.failures.internal import StepAborted
-from ray_elastic.failures.location import TRANSIENT, FailureLocator, failure, short
+from ray_elastic.failures.location import TRANSIENT, FailureLocator, failure, short, watched_wait
 
 __all__ = ["APPLY_FAN_IN", "PartialStep", "StepResult", "StepRunner", "per_host", "senders"]
 
@@ -382,7 +382,8 @@ class StepRunner:
         metrics = {key: m for key, (step, m) in zip(keys, held) if step == k + 1 and m is not None}
         return StepResult(metrics, {}) if metrics else None
 
-    def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False) -> None:
+    def settle_applies(self, timeout_s: float, slices=None, abort_waits: bool = False,
+                       watch: Optional[Callable[[set], Optional[SliceFailure]]] = None) -> None:
         """After a failure, settle the step's apply calls before the
         survivors say which step they hold (Membership.reconcile): those
         not started (waiting for an input, maybe on a frozen node) are
@@ -397,7 +398,10 @@ class StepRunner:
         After a process death its gradients, in its node's object store,
         still arrive and the survivors complete the step; only the calls
         issued ahead for later steps give up (they would hold the
-        worker's threads, which the survivors' status calls need)."""
+        worker's threads, which the survivors' status calls need).
+        `watch(slices still applying)`: a SliceFailure (raised here) for a
+        host of theirs found lost or silent while they are waited for, else
+        None (RayBackend: the step's heartbeats)."""
         applies, taken, self._applies, self._taken = self._applies, self._taken, {}, {}
         epoch, self.epoch = self.epoch, self.epoch + 1
         from_step = 0 if abort_waits else None if self.step is None else self.step + 1
@@ -413,9 +417,13 @@ class StepRunner:
             except Exception:  # already done, or its actor gone
                 pass
             self.unread.add(ref, (taken[key],) if key in taken else ())
-        wanted = [ref for (s, _), ref in applies.items() if slices is None or s in slices]
-        if wanted:
-            ray.wait(wanted, num_returns=len(wanted), timeout=timeout_s)
+        wanted = {ref: s for (s, _), ref in applies.items() if slices is None or s in slices}
+        if wanted and watch is None:
+            ray.wait(list(wanted), num_returns=len(wanted), timeout=timeout_s)
+        elif wanted:
+            lost = watched_wait(wanted, watch, self._clock, timeout_s)
+            if lost is not None:
+                raise lost
 
     def gather(self, issued: list, k: int, wait: Deadline, live: Mapping, finished: Optional[set] = None) -> dict:
         """Wait for every call; raise a SliceFailure on the first lost slice

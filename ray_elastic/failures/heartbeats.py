@@ -103,6 +103,13 @@ class Heartbeats:
                     self.pings += 1
         return None
 
+    def knows(self, live: Mapping, slice_id: int) -> bool:
+        """Whether every host of the slice is one seen in a step (the same
+        handle): a slice that has not run a step yet (a joining one, its
+        processes maybe still starting) is not."""
+        workers = live[slice_id].workers
+        return all((h := self._hosts.get((slice_id, i))) is not None and h.worker is w for i, w in enumerate(workers))
+
     def forget(self, slice_id: int) -> None:
         """Drop a slice's hosts (found hung: its pings stay unanswered)."""
         for key in [k for k in self._hosts if k[0] == slice_id]:

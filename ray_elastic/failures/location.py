@@ -27,7 +27,7 @@ from ray_elastic.failures.heartbeats import Heartbeats
 from ray_elastic.failures.internal import InputsAborted, InputsLost
 
 __all__ = ["FailureLocator", "Probe", "RayProbe", "TRANSIENT", "failure", "is_node_alive", "ping_ref", "refuses", "runtime_error",
-           "short"]
+           "short", "watched_wait"]
 
 TRANSIENT = None  # classify's answer for "not a failure: re-issue the call"
 # How long a raylet has to complete a handshake before its node counts as
@@ -48,6 +48,9 @@ DEATH_NOTICE_S = 0.1
 # How long a node's watcher has to say whether a silent worker is stopped
 # or busy (it answers in milliseconds; a node that does not is silent).
 WATCHER_S = 0.5
+# How often a watched wait (watched_wait) looks at its hosts: as a step's
+# wait does (dispatch/step_runner.py's NODE_PROBE_S).
+WATCH_EVERY_S = 0.25
 
 
 class Probe(Protocol):
@@ -193,6 +196,28 @@ def runtime_error(exc: BaseException) -> bool:
     collectives included, failed), not a Python error of the program."""
     cause = getattr(exc, "cause", None) if isinstance(exc, rex.RayTaskError) else None
     return cause is not None and type(cause).__name__ in ("JaxRuntimeError", "XlaRuntimeError")
+
+
+def watched_wait(slice_of: Mapping[Any, int], watch: Callable[[set], Optional[SliceFailure]],
+                 clock: Callable[[], float], timeout_s: float) -> Optional[SliceFailure]:
+    """Wait up to timeout_s for the calls `slice_of` maps to their slices,
+    asking `watch(slices with a call still out)` every WATCH_EVERY_S (a
+    step's heartbeats and node checks: FailureLocator.watch): the
+    SliceFailure it gives as soon as it gives one (a worker stopped while
+    the run recovered was found only when the recovery's call timed out,
+    60 s later, where one stopped in a step is found in about a second);
+    None once every call is done, or at the timeout (the caller's get then
+    fails as it would have). Bounded by polls as well as by `clock`, so a
+    clock that stands still (a test's) cannot make it wait forever."""
+    pending, end = list(slice_of), clock() + timeout_s
+    for _ in range(max(1, int(timeout_s / WATCH_EVERY_S) + 1)):
+        remaining = end - clock()
+        if not pending or remaining <= 0:
+            break
+        _, pending = ray.wait(pending, num_returns=len(pending), timeout=min(remaining, WATCH_EVERY_S))
+        if pending and (lost := watch({slice_of[r] for r in pending})) is not None:
+            return lost
+    return None
 
 
 def failure(kind: FailureKind, slice_id: int, host: int, step: int, cause: str, partial: Any = None,
@@ -366,6 +391,14 @@ class FailureLocator:
             return None
         why = f"no heartbeat for {silent_s:.1f} s" + (f"; its process is {state}" if state else "")
         return self._quiet_failure(s, h, live, step, why)
+
+    def known(self, live: Mapping) -> set:
+        """The slices of `live` whose hosts have all run a step (watching
+        one that has not, its processes maybe still starting, could take a
+        slow start for a hang)."""
+        if self.heartbeats is None:
+            return set(live)
+        return {s for s in live if self.heartbeats.knows(live, s)}
 
     def blame(self, s: int, kind: FailureKind, live: Mapping) -> int:
         """The slice to blame for a failed call: one that lost a node, if
