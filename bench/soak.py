@@ -91,7 +91,15 @@ def _cluster(tight: bool) -> tuple:
     from ray_elastic.cluster.local_cluster import LocalCluster
 
     cluster = LocalCluster(num_nodes=SLICES + SPARES - (1 if tight else 0), health_checks="default")
-    cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    # The driver records where each of its refs was made, so that an
+    # object a run leaves referenced is named by the line that made it
+    # (soak_leaks: the leak census's object list). Set for the connect
+    # only: no node started later (a replacement) inherits it.
+    os.environ["RAY_record_ref_creation_sites"] = "1"
+    try:
+        cluster.connect(runtime_env={"py_modules": [os.path.join(ROOT, "examples")]})
+    finally:
+        os.environ.pop("RAY_record_ref_creation_sites", None)
     if not tight:
         return cluster, None
     env, threshold = tight_env()
