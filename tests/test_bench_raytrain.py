@@ -1,8 +1,9 @@
-"""The Ray Train peer benchmark (bench/raytrain.py) and its charts (bench/charts.py).
-
-The smoke test runs Ray Train v2's JaxTrainer for real on the session's
-local multi-node cluster: a worker SIGKILLed mid-run, a restart from the
-last committed checkpoint, the run finished.
+"""The Ray Train peer benchmark (bench/raytrain.py) and its charts
+(bench/charts.py), as pure logic: the charts and the figures from a run's
+events. A real Ray Train run (its JaxTrainer, a worker SIGKILLed mid-run,
+a restart from the last committed checkpoint; two minutes here) is left
+out of CI to keep it within its time: `python -m bench compare --quick
+--systems raytrain --scenarios kill --runs 1` runs one.
 """
 
 from __future__ import annotations
@@ -86,35 +87,3 @@ def test_figures_from_events():
     assert out["goodput"] == pytest.approx(6.0 / 30.0)
     assert out["step_time_s"] == pytest.approx(0.5)
     assert [m["event"] for m in out["markers"]] == ["fault", "detect", "restart", "restore"]
-
-
-# Ray Train's start, restore and restart take about a minute here (the
-# longest test of the default run): kept out of it; `pytest -m slow` runs it.
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_raytrain_kill_smoke(cluster, nodes):
-    pytest.importorskip("ray.train")  # the `bench` extra (ray[train])
-    from bench.raytrain import run_raytrain
-
-    nodes(2)
-    r = run_raytrain(cluster, "kill", steps=20, fail_at=8, num_workers=2, checkpoint_every=5,
-                     time_limit_s=150.0)
-    assert r["error"] is None, r
-    assert r["system"] == "raytrain" and r["scenario"] == "kill"
-    assert r["steps_completed"] == 20
-    assert r["restarts"] >= 1
-    assert r["recovered_s"] is not None and r["recovered_s"] > 0
-    assert r["steps_rewound"] >= 1
-    assert 0 < r["fault_t"] < r["wall_s"]
-    assert 0 < r["goodput"] <= 1
-    assert r["step_time_s"] > 0
-    events = [m["event"] for m in r["markers"]]
-    assert events[0] == "fault" and "restart" in events
-    # Timeline: times increase; steps increase except where the run went back
-    # to its checkpoint; it reaches the fault step, then the end.
-    ts = [t for t, _ in r["timeline"]]
-    steps = [s for _, s in r["timeline"]]
-    assert ts == sorted(ts) and steps[-1] == 20
-    assert max(s for t, s in r["timeline"] if t <= r["fault_t"] + 1e-3) >= 8
-    drops = sum(1 for a, b in zip(steps, steps[1:]) if b <= a)
-    assert 1 <= drops <= r["restarts"]

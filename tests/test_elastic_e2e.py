@@ -219,20 +219,6 @@ def test_reduction_tree_on_real_slices(nodes, lm_factory, monkeypatch):
     assert ref.losses[-1] < ref.losses[0]
 
 
-@pytest.mark.slow  # a variant of a default-run test (README: Tests)
-def test_resize_node_removed_then_replacement_joins(nodes, lm_factory, baseline):
-    cluster = nodes(2)
-    steps = 250
-    trainer, report = _run(
-        lm_factory, _config(policy="resize"), steps=steps, faults=(Fault("remove_node", 1, FAIL_AT),),
-        cluster=cluster, on_event=_add_node_on(cluster, "recovered"),
-    )
-    assert report.steps_completed == steps
-    f = report.failures[0]
-    assert f.kind == "node_died" and f.slices_after == 1
-    assert report.slices_per_step[-1] == 2
-
-
 def test_worker_hung_is_found_by_heartbeats_and_replaced_once_gone(nodes, lm_factory, baseline):
     """On the default step deadline (a 10 s floor): the SIGSTOPped worker
     stops answering its heartbeats, its node's kernel says it is stopped,

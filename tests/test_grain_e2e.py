@@ -110,14 +110,11 @@ def test_each_host_reads_only_its_rows(grain_run):
 
 
 # What Grain adds to a failure is who reads the lost slice's rows: under
-# resize a survivor (resize-kill), under pause a replacement on a new node
-# from its own start (pause-remove_node). The other two pairs take those
-# reads again; each policy with each fault, without Grain, is
+# resize a survivor (resize-kill). A replacement on a new node reads them
+# from its own start as every worker does at its first step (the tests
+# above); each policy with each fault, without Grain, is
 # test_step_contract_e2e's token LM.
-@pytest.mark.parametrize("policy,fault", [
-    ("resize", "kill"),
-    pytest.param("pause", "remove_node", marks=pytest.mark.slow),
-])
+@pytest.mark.parametrize("policy,fault", [("resize", "kill")])
 def test_grain_fed_run_through_a_failure_ends_bitwise_equal(cluster, grain_factory, grain_run, policy, fault):
     cluster.ensure_nodes(4)
     base_trainer, base, _ = grain_run

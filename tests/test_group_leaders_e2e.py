@@ -131,17 +131,6 @@ def reference(cluster, lm_factory):
     return trainer.final_state
 
 
-@pytest.mark.slow  # the default run's leader test (a leader killed) ends bitwise equal to the driver's too
-def test_leaders_give_the_drivers_results(reference, nodes, lm_factory, fan_in_2):
-    nodes(4)
-    trainer, report = _run(lm_factory, 2)
-    runner = trainer.members.backend.runner
-    assert isinstance(runner, GroupedRunner) and len(runner.ranges) == 2
-    assert report.steps_completed == STEPS and not report.failures
-    assert runner.steps_ahead >= STEPS - 2  # pipelined all along
-    _assert_bitwise_equal(trainer.final_state, reference)
-
-
 @pytest.mark.slow
 def test_a_slice_killed_in_the_gradient_phase_redoes_no_step(reference, nodes, lm_factory, fan_in_2):
     """Slice 1 (leader 0's group, with slice 0) is killed as step 0's

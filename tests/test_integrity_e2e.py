@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from ray_elastic import Callback, CpuSlice, ElasticConfig, ElasticTrainer, Fault
+from ray_elastic import Callback, ElasticConfig, ElasticTrainer, Fault
 
 from tests.run_checks import assert_no_failures, assert_same_state, events
 
@@ -267,20 +267,3 @@ def test_without_a_spare_a_lasting_gradient_fault_is_named_by_the_known_answer(n
     assert restore and restore[0]["step"] == 6
     assert report.steps_completed == STEPS
     assert_same_state(trainer.final_state, ref2.final_state, STEPS)
-
-
-@pytest.mark.slow
-def test_two_devices_of_a_slice_that_disagree_name_it(nodes, lm_factory):
-    """A replicated slice's devices hold the same bits: one flipped on one
-    device names its slice, even with two slices."""
-    nodes(3)
-    config = ElasticConfig(num_slices=2, policy="pause", slice=CpuSlice(hosts=1, devices_per_host=2),
-                           state_check_every=1)
-    ref, ref_report = _run(lm_factory, config)
-    assert_no_failures(ref_report)
-    trainer, report = _run(lm_factory, config, faults=(Fault("corrupt", 1, FAULT_AT, target="state"),))
-    [diverged] = events(report, "diverged")
-    assert diverged["named"] == [[1, 0]] and "devices hold different bits" in diverged["detail"]
-    [f] = report.failures
-    assert f.kind == "corrupted" and f.restored_from == "snapshot"
-    assert_same_state(trainer.final_state, ref.final_state, STEPS)

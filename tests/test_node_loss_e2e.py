@@ -37,7 +37,10 @@ def test_node_removal_on_ray_defaults_is_node_died(policy):
     the replacement's own node is then removed while its worker starts
     (two nodes joined): it starts again at once on a new group, while
     Ray's node table still lists that node alive too (it used to wait ~21
-    s, until Ray's health checks failed the worker)."""
+    s, until Ray's health checks failed the worker). The first node is
+    checked when the replacement's group is placed: by the run's recovery
+    from both losses, on a loaded machine, Ray may have declared it dead
+    (CI's run saw that)."""
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "tests", "drivers", "node_loss_driver.py"), "--health-checks", "default",
          "--policy", policy, *(["--lose-replacement"] if policy == "pause" else [])],
@@ -52,7 +55,7 @@ def test_node_removal_on_ray_defaults_is_node_died(policy):
     assert replace.get("new_group") is True, replace
     if policy == "pause":
         saw = report["driver_saw"]
-        assert saw["removed_alive_at_recovery"] is True, saw
+        assert saw["removed_alive_at_placement"] is True, saw
         assert "replacement_removed" in saw, saw
         assert saw["replacement_removed_alive_at_recovery"] is True, saw
         assert "did not start: a node of its placement group is gone" in out.stderr, out.stderr[-3000:]

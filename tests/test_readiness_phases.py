@@ -49,8 +49,13 @@ def test_process_start_is_on_the_wall_clock():
 
     if not os.path.exists("/proc/self/stat"):
         pytest.skip("no /proc")
+    import psutil
+
     started = _process_started_at()
-    assert started is not None and 0 <= time.time() - started < 3600  # this test process's age
+    # This test process's start as the kernel has it (psutil reads the same
+    # /proc fields another way), not a bound on its age: a whole CI session
+    # runs past an hour.
+    assert started is not None and abs(started - psutil.Process().create_time()) < 1.0, started
 
 
 _MARKS = [("setup_start", 102.71), ("imports", 102.8), ("jax_init", 103.0), ("program_build", 103.0),

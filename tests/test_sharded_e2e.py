@@ -206,7 +206,9 @@ def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, po
         assert report.failures[0].recovered_s is not None
 
 
-@pytest.mark.parametrize("slices,hosts", [(2, 1), (1, 1), pytest.param(2, HOSTS, marks=pytest.mark.slow)])
+# Onto the same layout (2 slices of 2 hosts x 2 devices): test_shapes_e2e's
+# cold starts of its 2x2 fsdp_tp shape.
+@pytest.mark.parametrize("slices,hosts", [(2, 1), (1, 1)])
 def test_cold_start_from_a_sharded_checkpoint_onto_other_hosts(cluster, fsdp_factory, baseline, sharded_checkpoint,
                                                                slices, hosts):
     """Saved from 2 slices of 2 hosts x 2 devices, resumed on 2 slices, or

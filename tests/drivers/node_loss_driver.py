@@ -10,7 +10,11 @@ not wait for Ray's health checks).
 
 --lose-replacement (pause): the replacement's node is removed too, while
 its worker starts (a second node has joined for it), and the JSON says
-whether Ray still counted that node alive when the run recovered."""
+whether Ray still counted that node alive when the run recovered, and the
+first removed node when the replacement's group was placed (by the time
+the run has recovered from both, on a loaded machine, Ray's health checks
+may have declared the first one dead: that says nothing of whether the
+replacement waited for them)."""
 
 import argparse
 import functools
@@ -63,6 +67,10 @@ def main():
                           if g["state"] == "CREATED" and g["name"].endswith(f"slice{e['slice']}-g1")
                           for n in g["bundles_to_node_id"].values()]
                 if placed:
+                    # The replacement's group is placed: was the removed
+                    # node still alive to Ray then (it did not wait)?
+                    alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+                    seen["removed_alive_at_placement"] = bool(alive.get(seen.get("removed")))
                     seen["replacement_removed"] = placed[0]
                     cluster.remove_node(placed[0])
                     break
