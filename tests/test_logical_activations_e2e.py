@@ -38,7 +38,8 @@ def _run(cluster, sharding: str, constrained: bool):
     return report.losses
 
 
-@pytest.mark.parametrize("sharding", ["fsdp_tp", pytest.param("fsdp", marks=pytest.mark.slow)])
+# fsdp_tp holds fsdp's constraints and tensor parallelism's.
+@pytest.mark.parametrize("sharding", ["fsdp_tp"])
 def test_logical_activation_constraints_train_as_the_unconstrained_model(cluster, sharding):
     constrained = _run(cluster, sharding, True)
     free = _run(cluster, sharding, False)

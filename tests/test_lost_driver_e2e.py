@@ -39,7 +39,7 @@ from tests.test_job_submission_e2e import RayStartCluster, _logs, _submit, _wait
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(420)]
 
-STEPS = 150  # the kill comes at step ~18 (3 commits), with ~130 steps of margin; the retry runs the rest
+STEPS = 80  # the kill comes at step ~18 (3 commits), with ~60 steps of margin; the retry runs the rest
 SAVE_EVERY = 5
 # SIGKILL once this many steps are committed (3 checkpoints at least).
 KILL_AT_COMMITTED = 3 * SAVE_EVERY

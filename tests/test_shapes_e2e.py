@@ -65,13 +65,15 @@ OTHER_TOPOLOGY = {(1, 2): (2, 1), (2, 1): (1, 2), (2, 2): (1, 2)}
 PHASES = ("grads", "reduce", "apply")
 # A phase's path is what the survivor finishes: the lost slice's shards
 # (grads), the tree's sums (reduce), its hosts' all-or-none apply (apply).
-# Every sharded layout goes through every phase: two-host sharded slices,
-# whose survivors' loads met the dead peer's collectives in the reduction
-# and the apply, through all three in both their shapes; replicated
-# through the reduction and the apply (the gradients phase is where every
-# other e2e test's faults fire: Fault's default phase).
+# The two-host sharded slices, whose survivors' loads met the dead peer's
+# collectives in the reduction and the apply, go through every phase (2x1)
+# and through the apply with tensor parallelism too (2x2); the one-host
+# sharded shape and the replicated one through the apply. Replicated slices
+# lose a slice in the gradients (Fault's default phase: most e2e tests')
+# and the reduction (tests/test_exchange_e2e.py) elsewhere.
 REMOVED_IN = {
-    (1, 2, "replicated"): ("reduce", "apply"), (1, 2, "fsdp_tp"): ("apply",), (2, 1, "fsdp"): PHASES, (2, 2, "fsdp_tp"): PHASES,
+    (1, 2, "replicated"): ("apply",), (1, 2, "fsdp_tp"): ("apply",), (2, 1, "fsdp"): PHASES,
+    (2, 2, "fsdp_tp"): ("apply",),
 }
 REMOVALS = [(shape, phase) for shape in SHAPES for phase in REMOVED_IN[shape]]
 # And a two-host sharded shape: after a cold start (no snapshot to reload),
@@ -209,8 +211,9 @@ CORRUPT_AT = 5
 
 # Default: one host of two devices, sharded (the suite's time); a two-host
 # slice's fingerprints, made within the apply, are compared every step in
-# test_sharded_e2e's failure-free run, and 2x1-fsdp here names host 1 (-m slow).
-@pytest.mark.parametrize("shape", _params(SHAPES, {(1, 2, "fsdp_tp")}))
+# test_sharded_e2e's failure-free run, and 2x2-fsdp_tp here names host 1
+# (-m slow; 2x1-fsdp would name the same host of the same two-host path).
+@pytest.mark.parametrize("shape", _params([s for s in SHAPES if s != (2, 1, "fsdp")], {(1, 2, "fsdp_tp")}))
 def test_two_slices_that_differ_are_told_apart_by_their_replays(shape, nodes, tmp_path_factory, runs):
     """A bit flipped once in the state of the last host of slice 1, two
     slices, no spare: each slice replays alone from the verified snapshot,
@@ -297,7 +300,12 @@ def test_cold_start_then_a_node_removed_at_each_phase_redoes_nothing(case, clust
     np.testing.assert_array_equal(report.losses[SAVE_EVERY:], run["report"].losses[SAVE_EVERY:])
 
 
-@pytest.mark.parametrize("shape", _params(SHAPES, set()))  # sharded_e2e cold-starts onto other hosts by default
+# test_sharded_e2e cold-starts a two-host fsdp state onto other hosts by
+# default; here the one sharded shape with tensor parallelism on one host
+# goes onto two hosts (its tp axis split across processes). A replicated
+# state is whole on every device, so onto any topology it loads as the
+# sharded ones' restore onto the same one does.
+@pytest.mark.parametrize("shape", _params([(1, 2, "fsdp_tp")], set()))
 def test_cold_start_onto_another_topology(shape, nodes, tmp_path_factory, runs):
     """From step 6 onto one slice of other hosts x devices (it computes
     every shard of the global batch): the losses follow the run's."""

@@ -3,8 +3,9 @@ FSDP over each slice's 4 devices (the example LM's `sharded_layout`).
 
 Each host holds only its own blocks; the cross-slice exchange, snapshots
 and a replacement's load go host i to host i. Faults are real (a SIGKILLed
-worker, a removed node); every recovered run ends bitwise equal, host by
-host, to a failure-free run with the same layout.
+worker, a preemption notice); every recovered run ends bitwise equal, host
+by host, to a failure-free run with the same layout. A node removed from a
+two-host sharded slice, in each phase of a step: tests/test_shapes_e2e.py.
 """
 
 from __future__ import annotations
@@ -148,7 +149,9 @@ def test_each_device_holds_a_quarter_of_every_sharded_parameter(baseline):
         assert [size for _, _, size in seen[i]] == [int(np.prod(shapes[i]))] * HOSTS
 
 
-@pytest.mark.parametrize("policy", ["pause", pytest.param("resize", marks=pytest.mark.slow)])
+# Under pause; resize's sharded path (the survivors finish the step, one
+# slice left) is test_shapes_e2e's node removals'.
+@pytest.mark.parametrize("policy", ["pause"])
 def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy, monkeypatch):
     """...and the driver never materialises the state: no snapshot pin and
     nothing fetched into the driver, even with one slice left (resize after
@@ -178,32 +181,6 @@ def test_worker_killed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, p
     # of fingerprints, one int per host, are all else the driver reads).
     assert [f for f in fetched if f[0] != "list"] == [("tuple", STEPS)]
     assert not trainer.snapshots.has_pinned_copy
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("policy", ["resize", pytest.param("pause", marks=pytest.mark.slow)])
-def test_node_removed_run_ends_bitwise_equal(cluster, fsdp_factory, baseline, policy):
-    cluster.ensure_nodes(2 * HOSTS)
-    added = []
-
-    def on_event(e):  # the replacement node arrives from outside, as an autoscaler's would
-        if e["event"] == "detected" and not added:
-            added.append(cluster.add_node())
-
-    fault = Fault("remove_node", slice_id=1, step=FAIL_AT, host=0)
-    trainer, report = _run(fsdp_factory, _config(policy=policy), cluster, faults=(fault,), on_event=on_event)
-    assert report.steps_completed == STEPS
-    # The removed node's workers die with it; on this loaded machine the
-    # driver sometimes sees a worker dead before the node's raylet stops
-    # taking connections (test_node_loss_e2e checks the kind on one-host
-    # slices). Either way the slice is lost and replaced.
-    assert [f.kind for f in report.failures] in (["node_died"], ["process_died"])
-    _assert_same_blocks(trainer.final_state, baseline["state"])
-    # The replacement slice joined (under resize, before the end or not):
-    # under pause it must have, and it loaded host to host (a worker handed
-    # another host's blocks refuses them).
-    if policy == "pause":
-        assert report.failures[0].recovered_s is not None
 
 
 # Onto the same layout (2 slices of 2 hosts x 2 devices): test_shapes_e2e's
