@@ -20,6 +20,7 @@ __all__ = [
     "ConfigError",
     "FailureKind",
     "SliceFailure",
+    "without_frames",
     "WorkerProcessDied",
     "NodeDied",
     "WorkerHung",
@@ -112,6 +113,27 @@ class SliceFailure(ElasticError):
                       partial=self.partial, node_silent=self.node_silent, leader_partial=self.leader_partial)
         fields.update(changes)
         return type(self)(**fields)
+
+
+def without_frames(e: BaseException) -> BaseException:
+    """`e`, and every exception it was raised from or while handling, with
+    its traceback dropped; returns `e`. A failure found as a value and then
+    raised (`lost = locator.watch(...); raise lost`) is held by the frame
+    its own traceback holds: a reference cycle, freed only when Python's
+    cyclic collector next runs, which can be many minutes in a long run.
+    Until then every ObjectRef those frames held (a step's gradient chunks,
+    its calls still pending) keeps its object in Ray's object store. The
+    controller drops the frames of each failure it handles: a failure's
+    kind, place and cause are what it acts on, never its traceback."""
+    stack, seen = [e], set()
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        x.__traceback__ = None
+        stack += [x.__cause__, x.__context__]
+    return e
 
 
 class WorkerProcessDied(SliceFailure):

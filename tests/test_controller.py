@@ -188,6 +188,42 @@ def test_pause_waits_for_the_replacement_and_never_trains_on_fewer():
     assert f.kind == "process_died" and f.recovered_s is not None and f.recovered_s >= 2.0  # the set-up time
 
 
+def test_a_handled_failure_leaves_nothing_its_frames_held_to_the_cyclic_collector():
+    """A failure found as a value and raised from a local (`lost =
+    locator.watch(...); raise lost`, as the step runner does) is held by
+    the frame its traceback holds. Once the controller has handled it, what
+    that frame held (on a cluster: a step's gradient chunks' ObjectRefs,
+    whose objects stay in Ray's object store while any ref lives) is freed
+    at once, not at Python's next cyclic collection (off here)."""
+    import gc
+    import weakref
+
+    class Chunk:  # stands for an ObjectRef the failing frame held
+        pass
+
+    trainer, backend = run(ElasticConfig(num_slices=2, policy="resize", min_slices=1), steps=12)
+    held: list = []
+    real = backend.run_step
+
+    def run_step(k, slices, *args, **kw):
+        if k == 5 and not held:
+            chunk = Chunk()
+            held.append(weakref.ref(chunk))
+            lost = failure(FailureKind.PROCESS_DIED, 1, 0, k, "injected")
+            raise lost
+        return real(k, slices, *args, **kw)
+
+    backend.run_step = run_step
+    gc.collect()
+    gc.disable()
+    try:
+        report = trainer.fit()
+        assert [f.step for f in report.failures] == [5] and report.steps_completed == 12
+        assert held[0]() is None, gc.get_referrers(held[0]())
+    finally:
+        gc.enable()
+
+
 def test_fails_when_the_retry_budget_is_spent():
     trainer, backend = run(ElasticConfig(num_slices=2, policy="resize", min_slices=1, max_retries=1), steps=30)
     backend.fail_at[(3, 1)] = FailureKind.PROCESS_DIED

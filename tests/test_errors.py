@@ -192,3 +192,46 @@ def test_every_exception_class_lives_in_errors_py():
                     assert issubclass(obj, errors.ElasticError), name
     assert not elsewhere, f"exception classes outside errors.py and failures/internal.py: {elsewhere}"
     assert internal.__all__ and not set(internal.__all__) & (set(errors.__all__) | set(ray_elastic.__all__))
+
+
+def test_without_frames_drops_the_tracebacks_of_the_whole_chain():
+    """A failure raised while handling a call's error (`raise failure(...)
+    from None` in `except RayError`): the call's error, its context, has
+    frames of its own, which hold their locals. Each traceback of the
+    chain goes; the exceptions and their messages stay."""
+    import gc
+    import weakref
+
+    from ray_elastic.errors import WorkerProcessDied, without_frames
+
+    class Chunk:
+        pass
+
+    held = []
+
+    def call():
+        chunk = Chunk()
+        held.append(weakref.ref(chunk))
+        error = RuntimeError("actor died")
+        raise error  # a local: its frame and its traceback hold each other
+
+    def step():
+        try:
+            call()
+        except RuntimeError:
+            raise WorkerProcessDied(1, 0, 5, "gone") from None
+
+    gc.collect()
+    gc.disable()
+    try:
+        try:
+            step()
+        except WorkerProcessDied as f:
+            caught = f
+        assert caught.__context__.__traceback__ is not None and held[0]() is not None  # the cycle, before
+        assert without_frames(caught) is caught
+        assert caught.__traceback__ is None and caught.__context__.__traceback__ is None
+        assert str(caught.__context__) == "actor died" and caught.slice_id == 1
+        assert held[0]() is None
+    finally:
+        gc.enable()

@@ -29,7 +29,7 @@ from ray_elastic.checkpoint.coordinator import CheckpointCoordinator
 from ray_elastic.config import ElasticConfig
 from ray_elastic.dispatch.assignment import assign_shards, leader_ranges
 from ray_elastic.control.startup import ray_backend, start_timeout
-from ray_elastic.errors import ConfigError, FailureKind, NonFiniteLoss, SliceFailure, SlicePreempted
+from ray_elastic.errors import ConfigError, FailureKind, NonFiniteLoss, SliceFailure, SlicePreempted, without_frames
 from ray_elastic.failures.faults import Fault, FaultInjector, check_faults
 from ray_elastic.control.membership import Membership, StateSource
 from ray_elastic.control.pipelining import next_assignment
@@ -415,7 +415,7 @@ class Controller:
     # -- recovery -----------------------------------------------------------
 
     def _recover(self, f: SliceFailure, in_flight: bool = True, evict: tuple = ()) -> None:
-        now, self._held = self._clock(), None
+        now, self._held, f = self._clock(), None, without_frames(f)  # frees what its frames held (errors.py)
         fired = self._injector.last_for(f.slice_id)
         # Measured from the injected fault, else from its first sign.
         t_fault = fired.at if fired is not None and fired.fault.step == f.step else now

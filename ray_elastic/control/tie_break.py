@@ -44,6 +44,7 @@ import time
 from typing import Callable, Mapping, Optional, Sequence
 
 from ray_elastic.control.integrity import Divergence
+from ray_elastic.errors import without_frames
 
 __all__ = ["judge", "settle", "settle_grads"]
 
@@ -90,8 +91,8 @@ def _settle_calls(backend, slice_id: int, step: int) -> None:
     load; the next step finds the slice lost if it is."""
     try:
         backend.held_steps([slice_id], step, abort_waits=True)
-    except Exception:  # a SliceFailure, or no answer: the next step sees it
-        pass
+    except Exception as e:  # a SliceFailure, or no answer: the next step sees it
+        without_frames(e)
 
 
 def settle(found: Divergence, metrics: Mapping[tuple[int, int], dict], snapshots, backend, spares: Sequence[int],
