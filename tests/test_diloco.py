@@ -183,6 +183,29 @@ def test_an_inner_step_waits_for_the_round_start_state_asked_before_it():
     assert c.calls[-1][3:] == ()
 
 
+def test_a_retired_slice_s_held_round_start_states_are_let_go():
+    """The states held for a slice's next inner step go when it leaves:
+    its id may not be live again, and they would stay referenced (in the
+    object store, on a cluster) as long as the backend."""
+    import weakref
+
+    from ray_elastic.dispatch.diloco_runner import DilocoRunner
+
+    class State:
+        pass
+
+    a, b = _Worker(), _Worker()
+    runner = DilocoRunner(_Gather(), spec=None, blocks=1, clock=lambda: 0.0)
+    mine, other = State(), State()
+    kept, kept_other = weakref.ref(mine), weakref.ref(other)
+    runner.hold_before_next(1, [a], [mine])
+    runner.hold_before_next(2, [b], [other])
+    del mine, other
+    assert kept() is not None
+    runner.forget(1)
+    assert kept() is None and kept_other() is not None  # slice 2's stays for its next step
+
+
 class _JoinBackend:
     """A backend whose joiner's node goes while it recomputes its round."""
 

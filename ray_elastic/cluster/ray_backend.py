@@ -159,6 +159,8 @@ class RayBackend:
 
     def retire(self, slice_id: int) -> None:
         self.runner.drop_ahead()
+        if self.diloco is not None:
+            self.diloco.forget(slice_id)
         for holder in (self._up, self._coming):
             gone = holder.pop(slice_id, None)
             if gone is not None:

@@ -78,6 +78,14 @@ class DilocoRunner:
         for h, (w, ref) in enumerate(zip(workers, refs)):
             self._before_next[(slice_id, h)] = (w, (ref,))
 
+    def forget(self, slice_id: int) -> None:
+        """A slice left: the round-start states held for its next inner
+        step go (else, while its id is not live again, its object stays in
+        the object store as long as the run's backend: the soak's DiLoCo
+        leg counted three such states after its run)."""
+        for key in [key for key in self._before_next if key[0] == slice_id]:
+            del self._before_next[key]
+
     def _after(self, slice_id: int, host: int, worker: Any) -> tuple:
         held = self._before_next.pop((slice_id, host), None)
         return held[1] if held is not None and held[0] is worker else ()  # a replaced worker's are void
