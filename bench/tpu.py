@@ -122,14 +122,22 @@ def table(result: dict) -> str:
             continue
         med, mean = statistics.median(t), statistics.mean(t)
         peak = _median(runs, "device_peak_bytes")
-        losses = next(r["losses"] for r in runs if "error" not in r)
+        first = next(r for r in runs if "error" not in r)
+        losses = first["losses"][:first.get("round")]  # DiLoCo's: until its first outer step
         rel = (max(abs(a - b) / abs(b) for a, b in zip(losses, plain_losses)) if plain_losses else None)
         lines.append("| " + " | ".join([
             name, f"{med * 1e3:.1f} ms", f"{mean * 1e3:.1f} ms", _ratio(med, base), _gb(peak),
             _ratio(peak, plain_peak), _gb(_median(runs, "host_peak_bytes")),
             f"{(_median(runs, 'bytes_off_device') or 0) / 1e6:.1f} MB", f"{(_median(runs, 'copy_s') or 0) * 1e3:.0f} ms",
             "-" if rel is None else f"{rel:.1e}"]) + " |")
-    lines += _two_slices(v.get("two_slices", []), base) + _snapshot(v.get("snapshot", [])) + \
+    scratch = {p: _median(v[p], "scratch_bytes") for p in ("plain", "plain_micro") if p in v}
+    if any(b is not None for b in scratch.values()):
+        lines += ["", "device peak: the buffers JAX counts (peak_bytes_in_use), which leave out a running program's "
+                  "scratch; plain's step program reserves " + ", ".join(
+                      f"{_gb(b)} ({p})" for p, b in scratch.items() if b is not None)
+                  + " beside them (XLA's memory analysis)"]
+    lines += _two_slices(v.get("two_slices", []), base) + _diloco(v.get("diloco", []), plain_peak) + \
+        _snapshot(v.get("snapshot", [])) + \
         _checkpoint(v.get("checkpoint", [])) + _equal(v)
     return "\n".join(lines)
 
@@ -149,6 +157,17 @@ def _two_slices(runs: list, base) -> list:
             f"gradients out and in {copies * 1e3:.0f} ms; step {med * 1e3:.0f} ms against the target "
             + ("-" if target is None else f"{target * 1e3:.0f} ms (plain + 1.1 x copies): "
                + ("met" if med <= target else "not met"))]
+
+
+def _diloco(runs: list, plain_peak) -> list:
+    ok = [r for r in runs if "error" not in r and r.get("outer_s")]
+    if not ok:
+        return []
+    inner = _median(ok, "inner_peak_bytes")
+    return ["", f"DiLoCo: device peak over the first round's {ok[0]['round']} inner steps {_gb(inner)} "
+            f"({_ratio(inner, plain_peak)} plain's), over the run with its outer steps "
+            f"{_gb(_median(ok, 'device_peak_bytes'))}; an outer step (one replica: delta out, mean in, "
+            f"update) {statistics.median([s for r in ok for s in r['outer_s']]):.2f} s median"]
 
 
 def _snapshot(runs: list) -> list:

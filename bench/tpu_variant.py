@@ -16,7 +16,9 @@ LM's make_batch, concatenated for plain):
 - one_slice_micro: the same, each shard scanned in 2 microbatches;
 - one_slice_apart: one_slice with the update a program of its own
   (one_slice_program="update_apart": bitwise any slice count's state);
-- diloco: one SliceWorker's DiLoCo inner steps on every shard;
+- diloco: one SliceWorker's DiLoCo inner steps on every shard, an outer
+  step after every ROUND of them (timed apart; the inner steps' device
+  peak taken before the first);
 - two_slices: two SliceWorkers sharing the devices, one shard each, the
   exchange the controller plans for two slices (each sends its sum once,
   each apply takes the other's), with the split: compute, copies out and
@@ -49,6 +51,7 @@ if ROOT not in sys.path:
 
 SHARDS = 2
 SNAP_EVERY = 5
+ROUND = 5  # DiLoCo's inner steps between two outer steps
 
 
 def _block(tree) -> None:
@@ -91,13 +94,18 @@ def _plain(program, cfg, steps: int, micro: bool) -> dict:
         parts = [program.make_batch(0, step, s, SHARDS) for s in range(SHARDS)]
         return {k: np.stack([np.asarray(b[k]) for b in parts]) for k in parts[0]}
 
+    try:  # the program's scratch (XLA's memory analysis), which the device peak of buffers leaves out
+        analysis = step_fn.lower(params, opt_state, batches(0)).compile().memory_analysis()
+        scratch = int(analysis.temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        scratch = None
     times, losses = [], []
     for step in range(steps):
         t0 = time.perf_counter()
         params, opt_state, loss = step_fn(params, opt_state, batches(step))
         losses.append(float(loss))  # waits for the step
         times.append(time.perf_counter() - t0)
-    return {"step_times": times, "losses": losses, "bytes_off_device": 0, "copy_s": 0.0}
+    return {"step_times": times, "losses": losses, "bytes_off_device": 0, "copy_s": 0.0, "scratch_bytes": scratch}
 
 
 def _worker(factory, slice_id: int, cache: str):
@@ -154,18 +162,36 @@ def _one_slice(factory, steps: int, cache: str, snapshot: bool = False, program:
 
 
 def _diloco(factory, steps: int, cache: str) -> dict:
+    """Inner steps, with an outer step (one replica: its delta out and
+    the mean applied) after every ROUND of them. The device peak of the
+    first round's inner steps is kept apart from the run's, which the
+    outer steps may raise."""
+    import jax
+
     from ray_elastic.dispatch.outer_spec import OuterSpec
 
     w = _worker(factory, 0, cache)
+    from ray_elastic.dispatch.exchange_plan import ExchangePlan
+
     spec = OuterSpec(0.3, 0.9)
-    times, losses = [], []
+    plan = ExchangePlan(chunks=1, blocks=1, shards=(0,), fan_in=8)  # the replicas' deltas: one replica
+    times, losses, outer_s, inner_peak = [], [], [], None
     for k in range(steps):
         t0 = time.perf_counter()
         m = w.inner_step(k, tuple(range(SHARDS)), spec)
         _block(w.params)
         times.append(time.perf_counter() - t0)
         losses.append(m["loss"])
-    return {"step_times": times, "losses": losses, "bytes_off_device": 0, "copy_s": 0.0}
+        if (k + 1) % ROUND == 0:
+            if inner_peak is None:
+                inner_peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+            t0 = time.perf_counter()
+            _, *chunks = w.diloco_delta(k + 1, 0, plan, spec)
+            w.diloco_outer(k + 1, spec, list(chunks))
+            _block(w.params)
+            outer_s.append(time.perf_counter() - t0)
+    return {"step_times": times, "losses": losses, "bytes_off_device": 0, "copy_s": 0.0, "outer_s": outer_s,
+            "inner_peak_bytes": inner_peak, "round": ROUND}
 
 
 class _Split:

@@ -28,3 +28,35 @@ def test_a_late_snapshot_holds_its_own_step(layout):
     assert "no snapshot of step 2 was begun" in f["refused"]
     # A worker set up outside Ray starts no Ray of its own (~8 s, and a dashboard).
     assert not f["ray_started"]
+
+
+def test_a_snapshot_kept_before_its_arrays_are_donated_holds_their_host_copies_and_ravels_them_later():
+    """The accelerator's path (the device copy did not fit): the next
+    apply only waits for the leaves' host copies (`keep`); the ravel of
+    the whole state is left to the snapshot thread (`views`)."""
+    jax = pytest.importorskip("jax")
+    import numpy as np
+
+    from ray_elastic.worker.transfer import BegunSnapshot, host_ravel
+
+    leaves = [jax.numpy.arange(6.0).reshape(2, 3), jax.numpy.full(4, 7.0)]
+    expected = host_ravel(leaves)
+    made, fetched = [], []
+
+    def make(a):
+        made.append(len(a))
+        return host_ravel(a)
+
+    def fetch(a):
+        fetched.append(len(a))
+        return [np.array(x) for x in a]
+
+    begun = BegunSnapshot(4, leaves, make, False, fetch)
+    begun.keep()
+    assert fetched == [2] and made == []  # the copies only: no ravel on the apply's path
+    for a in leaves:
+        a.delete()  # what the next update's donation does to the held arrays
+    begun.keep()  # a second keep copies nothing again
+    assert fetched == [2]
+    assert np.array_equal(begun.views(), expected) and made == [2]
+    assert begun.views() is begun.views() and made == [2]

@@ -18,6 +18,15 @@ The arrays lie like the params (replicated, or this host's blocks under a
 sharded layout); `host_copy` / `load` move them between processes as the
 params' gradients move: whole host arrays, or this host's blocks.
 
+On an accelerator the outer optimizer's state waits between
+synchronizations in the host's memory (parked.py): an inner step needs
+only the round's global params beside its own state, so a replica's
+device holds one copy of the params more than a plain step does, not two.
+It comes back onto the devices for the outer step alone (one copy in and
+one out a round; moving it changes no bit), and is made leaf by leaf, each
+parked before the next, so it is never whole on the devices. On CPU the
+two memories are one, and it stays where it is.
+
 JAX is imported on use: the driver imports this module through the
 worker's actor class.
 """
@@ -30,6 +39,7 @@ import numpy as np
 
 from ray_elastic.checkpoint.state_forms import HostBlocks, WholeState
 from ray_elastic.dispatch.outer_spec import OuterSpec
+from ray_elastic.worker.parked import HostParked, park, unpark
 
 __all__ = ["OuterState"]
 
@@ -38,9 +48,12 @@ class OuterState:
     """The global params and outer optimizer state of one host, and the
     last round boundary they were synchronized at (`synced`)."""
 
-    def __init__(self, layout: Any, host: int):
+    def __init__(self, layout: Any, host: int, park: Optional[bool] = None):
         self._layout = layout
         self._host = host
+        # Whether the outer state waits in host memory between outer steps
+        # (None: on an accelerator, decided at the first array seen).
+        self._park = park
         self.global_params: Any = None
         self.state: Any = None
         self.synced = 0
@@ -89,7 +102,16 @@ class OuterState:
         """The round that starts at `step` (0: the run's first) from `params`."""
         _, _, copy, init, _ = self._jitted(spec)
         self.global_params = copy(params)  # the inner update donates the params it reads
-        self.state = init(self.global_params)
+        if not self._parks(self.global_params):
+            self.state = init(self.global_params)
+        else:  # leaf by leaf (the optimizer is elementwise: each state leaf mirrors a param's)
+            import jax
+
+            g = jax.tree.leaves(self.global_params)
+            parts = [jax.tree.leaves(self._parked(init([a]))) for a in g]
+            state_def = jax.tree.structure(jax.eval_shape(init, self.global_params))
+            per = state_def.num_leaves // len(g)
+            self.state = jax.tree.unflatten(state_def, [parts[i][j] for j in range(per) for i in range(len(g))])
         self.synced = step
 
     def delta(self, params: Any, spec: OuterSpec, leaves: Optional[tuple] = None) -> Any:
@@ -128,8 +150,9 @@ class OuterState:
         per = len(o) // len(g)  # state leaves per param leaf, in blocks of the params' order
         sub_def = jax.tree.structure(jax.eval_shape(spec.optimizer().init, [g[i] for i in leaves]))
         sub_state = jax.tree.unflatten(sub_def, [o[j * len(g) + i] for j in range(per) for i in leaves])
-        new_g, new_o = self._jitted(spec)[1]([g[i] for i in leaves], sub_state, [mean[i] for i in leaves])
-        new_o = jax.tree.leaves(new_o)
+        new_g, new_o = self._jitted(spec)[1]([g[i] for i in leaves], self._on_devices(sub_state),
+                                             [mean[i] for i in leaves])
+        new_o = jax.tree.leaves(self._parked(new_o))
         for n, i in enumerate(leaves):
             g[i] = new_g[n]
             for j in range(per):
@@ -162,7 +185,8 @@ class OuterState:
         if fragment:
             self._apply_fragment(mean_delta, spec)
             return params if later else self.mix(params, spec, tuple(sorted(mean_delta)))
-        self.global_params, self.state = outer(self.global_params, self.state, mean_delta)
+        self.global_params, state = outer(self.global_params, self._on_devices(self.state), mean_delta)
+        self.state = self._parked(state)
         return copy(self.global_params)
 
     def undo(self, to: int) -> tuple[bool, Optional[Any]]:
@@ -192,12 +216,13 @@ class OuterState:
 
         from ray_elastic.worker.shards import local_blocks
 
+        state = self._on_devices(self.state)
         if self._layout.sharded:
             blocks = {**local_blocks(jax.tree.leaves(self.global_params), "p"),
-                      **local_blocks(jax.tree.leaves(self.state), "o")}
+                      **local_blocks(jax.tree.leaves(state), "o")}
             return HostBlocks(self.synced, blocks, self._host)
         host = lambda t: jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), t)  # noqa: E731
-        return WholeState(self.synced, host(self.global_params), host(self.state))
+        return WholeState(self.synced, host(self.global_params), host(state))
 
     def load(self, copy: WholeState | HostBlocks, spec: OuterSpec) -> None:
         """Hold another replica's global params and outer state (`host_copy`'s
@@ -221,5 +246,24 @@ class OuterState:
         self._jitted(spec)
         self._before = None  # a step loaded is never taken back
         self.global_params = jax.tree.unflatten(params_def, g)
-        self.state = jax.tree.unflatten(state_def, o)
+        self.state = self._parked(jax.tree.unflatten(state_def, o))
         self.synced = int(copy.step)
+
+    def _parks(self, tree: Any) -> bool:
+        if self._park is None:
+            import jax
+
+            leaves = [a for a in jax.tree.leaves(tree) if not isinstance(a, HostParked)]
+            if not leaves:
+                return False
+            self._park = next(iter(leaves[0].sharding.device_set)).platform != "cpu"
+        return self._park
+
+    def _parked(self, tree: Any) -> Any:
+        """`tree` (the outer state) in the host's memory, where it waits
+        between outer steps (the module's docstring says why)."""
+        return park(tree) if self._parks(tree) else tree
+
+    def _on_devices(self, tree: Any) -> Any:
+        """`tree` back on the devices, for an outer step."""
+        return unpark(tree)

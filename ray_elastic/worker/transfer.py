@@ -69,16 +69,32 @@ def device_array(value: Any, sharding: Any):
 class BegunSnapshot:
     """A snapshot of one step's state, begun: the state's arrays (or the
     replicated ravel of them, a fresh buffer), and once `views` has run,
-    host views of them."""
+    host views of them. `fetch`, where given, copies the arrays to the host
+    as they are (`keep`), and the views are then made from those copies:
+    the step that donates the arrays waits for the copies alone, not for
+    what the views make of them (a ravel of the whole state)."""
 
-    def __init__(self, step: int, arrays: Any, make_views: Callable[[Any], Any], own_buffers: bool):
+    def __init__(self, step: int, arrays: Any, make_views: Callable[[Any], Any], own_buffers: bool,
+                 fetch: Optional[Callable[[Any], Any]] = None):
         self.step = step
-        self._arrays, self._make_views = arrays, make_views
+        self._arrays, self._make_views, self._fetch = arrays, make_views, fetch
         # Whether `arrays` are buffers of the snapshot's own, which the next
         # update does not donate (else they are the held state's).
         self.own_buffers = own_buffers
         self._views: Any = None
+        self._kept = False
         self._lock = threading.Lock()
+
+    def keep(self) -> None:
+        """Let go of the arrays now (the next update donates them): their
+        host copies (`fetch`), or else the views themselves, made now."""
+        with self._lock:
+            if self._views is not None or self._kept:
+                return
+            if self._fetch is None:
+                self._views, self._arrays = self._make_views(self._arrays), None
+            else:
+                self._arrays, self._kept = self._fetch(self._arrays), True
 
     def views(self) -> Any:
         """The host views (made on the first call: it waits for the arrays
@@ -118,6 +134,7 @@ class StateTransfer:
             elif _platform(arrays[0]) != "cpu":
                 _start_host_copies(arrays[0] + arrays[1])
             make = lambda a: {**local_blocks(a[0], tag="p"), **local_blocks(a[1], tag="o")}  # noqa: E731
+            fetch = None  # the blocks are host copies already (views on CPU)
         elif _platform(jax.tree.leaves(held.params)) != "cpu":
             # An accelerator's ravel would hold a second flat state and the
             # concatenation's temporaries beside the step's own memory: the
@@ -130,12 +147,12 @@ class StateTransfer:
                 arrays = _device_copy(arrays)
             else:
                 _start_host_copies(arrays)
-            make = host_ravel
+            make, fetch = host_ravel, _host_copies
         else:
             arrays = self._compiled.flatten(held.params, held.opt_state)  # dispatched, a fresh buffer
             make = lambda a: np.asarray(a.addressable_data(0))  # noqa: E731
-            own = True
-        self._begun = BegunSnapshot(held.step, arrays, make, own)
+            own, fetch = True, None
+        self._begun = BegunSnapshot(held.step, arrays, make, own, fetch)
 
     def _copy_fits(self, leaves: list) -> bool:
         """Whether every device of this host holds a copy of its part of
@@ -155,7 +172,7 @@ class StateTransfer:
         made yet and are views of those arrays."""
         begun = self._begun
         if begun is not None and not begun.own_buffers:
-            begun.views()
+            begun.keep()
 
     def finish_snapshot(self, step: int) -> tuple[dict, FlatState | HostBlocks]:
         """(status, state) of the snapshot begun of `step`'s state: the
@@ -264,7 +281,7 @@ def host_ravel(leaves: list) -> np.ndarray:
     import jax.numpy as jnp
 
     dtype = jnp.result_type(*leaves) if leaves else np.float32
-    parts = [np.asarray(a.addressable_data(0)).reshape(-1) for a in leaves]
+    parts = [_host_copies([a])[0].reshape(-1) for a in leaves]
     out = np.empty(sum(p.size for p in parts), dtype)
     at = 0
     for p in parts:
@@ -292,15 +309,21 @@ def _start_host_copies(leaves: list) -> None:
         a.copy_to_host_async()
 
 
+def _host_copies(leaves: list) -> list:
+    """Each replicated leaf's first copy as a host array (a host array as it is)."""
+    return [np.asarray(a.addressable_data(0)) if hasattr(a, "addressable_data") else np.asarray(a) for a in leaves]
+
+
 def _platform(leaves) -> str:
     return next(iter(leaves[0].sharding.device_set)).platform if leaves else "cpu"
 
 
 def _device_copy(tree):
-    """Fresh buffers holding `tree`'s values, on the same devices."""
+    """Fresh buffers holding `tree`'s values, on the same devices (a
+    runtime copy: nothing compiled per leaf shape on the step's path)."""
     import jax
 
-    return jax.tree.map(lambda a: a.copy(), tree)
+    return jax.tree.map(lambda a: jax.device_put(a, a.sharding, may_alias=False), tree)
 
 
 def _put_tree(tree, treedef, specs):
