@@ -25,9 +25,10 @@ themselves. On an accelerator the host copy takes longer than a step
 (4.1 GB at 2.1 GB/s on a TPU v5e), so the state is copied on the devices
 first where their memory holds that copy beside the step's own
 (`device_copy_fits`); where it does not (the 341M example LM on a 16 GB
-v5e: 4.3 GB held, 8.9 GB of step scratch), the snapshot keeps the
+v5e: 4.3 GB held, 8.9 GiB of step scratch), the snapshot keeps the
 state's own arrays, their host copies started at once, and the next
-apply waits for what is left of them. Where the snapshot holds the state's
+apply waits for what is left of those copies (not for the ravel, which
+the snapshot thread makes of them: `BegunSnapshot.keep`). Where the snapshot holds the state's
 own arrays, the next apply, which would donate them to its update, makes
 the views itself if the snapshot thread has not yet (`keep_begun`): XLA
 does not donate a buffer a view still reads (it copies it instead), so
