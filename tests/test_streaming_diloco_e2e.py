@@ -91,7 +91,9 @@ def test_resize_kill_mid_synchronization(nodes, lm_factory):
     fragment's synchronization; the run equals the reference loop given
     that membership."""
     nodes(2)
-    faults = [Fault("kill", 1, 6, phase="sync"), Fault("slow", 0, 0, ms=300)]  # the replacement is up mid-run
+    # Slice 0 slowed so that the replacement (4 to 6 s to ready on a loaded 2-core
+    # machine) is up well before the run ends: at 300 ms it joined at step 18 or not at all.
+    faults = [Fault("kill", 1, 6, phase="sync"), Fault("slow", 0, 0, ms=700)]
     trainer, report, events = _fit(lm_factory, _config(num_slices=2, policy="resize"), steps=20, faults=faults)
     assert [e["phase"] for e in events if e["event"] == "fault" and e["kind"] == "kill"] == ["sync"]
     join = next(e["step"] for e in events if e["event"] == "grow")
